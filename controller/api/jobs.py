@@ -1,0 +1,95 @@
+"""Job routes: submit, list, read, cancel, metrics, logs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request, status
+
+from controller import jobs as service
+from controller.api.deps import JobId, SessionDep
+from controller.launcher import LaunchError
+from controller.schemas import (
+    INT32_MAX,
+    JobCreate,
+    JobMetrics,
+    JobPublic,
+    JobsPublic,
+    JobStatus,
+    LogsPublic,
+)
+from controller.telemetry import job_metrics
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+def _get(session: SessionDep, job_id: str):  # type: ignore[no-untyped-def]
+    try:
+        return service.get_job(session, job_id)
+    except service.JobNotFound:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job_id!r} not found") from None
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+def submit_job(body: JobCreate, session: SessionDep, request: Request) -> JobPublic:
+    """Validate and store a job; the supervisor launches it on the cluster."""
+    job = service.create_job(session, body)
+    session.commit()
+    request.app.state.supervisor.wake()
+    return service.to_public(job)
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> JobsPublic:
+    rows, count = service.list_jobs(session, limit, offset)
+    return JobsPublic(data=[service.to_public(j) for j in rows], count=count)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(job_id: JobId, session: SessionDep) -> JobPublic:
+    return service.to_public(_get(session, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: JobId, session: SessionDep, request: Request) -> JobPublic:
+    """Stop a PENDING or RUNNING job; 409 when it has already ended."""
+    job = _get(session, job_id)
+    if JobStatus(job.status).is_terminal():
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job_id!r} already ended as {job.status}")
+    launcher = request.app.state.launcher
+    if launcher is not None and job.ray_job_id is not None:
+        try:
+            launcher.stop(job.ray_job_id)
+        except LaunchError as exc:
+            raise HTTPException(status.HTTP_502_BAD_GATEWAY, detail=str(exc)) from exc
+    service.transition(session, job, JobStatus.CANCELLED, "cancelled by user")
+    return service.to_public(job)
+
+
+@router.get("/{job_id}/metrics", response_model=JobMetrics)
+def get_metrics(
+    job_id: str,
+    session: SessionDep,
+    since_step: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
+    max_points: Annotated[int, Query(ge=10, le=100_000)] = 2000,
+) -> JobMetrics:
+    """Step metrics per rank (loss, step time, tokens/s), downsampled to ``max_points`` per rank."""
+    _get(session, job_id)
+    return job_metrics(session, job_id, since_step, max_points)
+
+
+@router.get("/{job_id}/logs", response_model=LogsPublic)
+def get_logs(job_id: JobId, session: SessionDep, request: Request) -> LogsPublic:
+    """The driver's logs from Ray (the ranks' output is in Ray's worker logs)."""
+    job = _get(session, job_id)
+    launcher = request.app.state.launcher
+    if launcher is None or job.ray_job_id is None:
+        return LogsPublic(job_id=job_id, logs="")
+    try:
+        return LogsPublic(job_id=job_id, logs=launcher.logs(job.ray_job_id))
+    except LaunchError as exc:
+        raise HTTPException(status.HTTP_502_BAD_GATEWAY, detail=str(exc)) from exc

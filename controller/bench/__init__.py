@@ -1,0 +1,1 @@
+"""Benchmarks of the controller (``vigil bench ingest``); each module runs with ``python -m``."""

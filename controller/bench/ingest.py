@@ -1,0 +1,389 @@
+"""Telemetry ingest throughput of a real controller (uvicorn subprocess) on SQLite and PostgreSQL.
+
+``vigil bench ingest [--json] [--ranks N] [--collectives K] [--samples S] [--backend sqlite|postgresql|both]``
+
+A load generator plays ``--agents`` node agents of a job with ``--ranks`` ranks and ``--collectives``
+collective calls per rank and step: every rank reports a StepSample and K CollectiveSamples per step,
+each agent for its slice of the ranks, in gzip batches of ``--batch`` samples (the agent's default
+2,000), numbered per agent, posted with an agent token by ``--concurrency`` connections at once,
+as fast as the controller acknowledges them. The bodies are built before the clock starts, so the
+generator costs the controller's CPUs as little as possible.
+
+Per backend: sustained ``samples_per_s`` (samples acknowledged as stored / wall time from the first
+post to the last answer), ``p99_latency_ms`` of one post, and ``bytes_per_million_samples``: growth
+of the database (SQLite: pages after a WAL checkpoint; PostgreSQL: ``pg_database_size``) per million
+samples stored. The controller's aggregation pass runs meanwhile as in production; the JSON also
+says how long the aggregates took to catch up after the last post (``aggregate_lag_s``). With
+``--no-aggregate-during`` the pass is held during the run (raw ingest alone) and ``aggregate_lag_s``
+is the time one thread then takes to aggregate everything that was sent.
+
+JSON (``--json``): a list with one object per backend: ``backend``, ``ranks``, ``samples_per_s``,
+``p99_latency_ms``, ``bytes_per_million_samples``, plus ``samples``, ``batches``, ``p50_latency_ms``,
+``seconds``, ``aggregate_lag_s``, ``collectives``, ``concurrency``, ``batch``, ``controller_cpu_s`` (CPU time
+the controller process used while the posts ran: it is single-process, so its ceiling is one core) and
+``samples_per_controller_cpu_s`` (the throughput one free core would give; this machine is shared, so
+the wall-clock figure depends on what else runs: ``load_average`` is the 1-minute load at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+PG_ADMIN_URL = os.environ.get("VIGIL_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+_STEP = ('{{"kind":"step","job_id":"{job}","rank":{rank},"world_size":{world},"step":{step},"ts":{ts:.3f},'
+         '"loss":{loss:.4f},"lr":0.001,"tokens":512,"step_time_s":{st:.5f},"tokens_per_s":4096.0,"data_s":0.002,'
+         '"fwd_bwd_s":0.06,"optim_s":0.004,"comm_s":{comm:.5f},"pid":{pid}}}')
+_COLL = ('{{"kind":"collective","job_id":"{job}","rank":{rank},"step":{step},"seq":{seq},"op":"all_reduce",'
+         '"group":"world","tag":"grads","payload_bytes":4194304,"wire_bytes":8386560,"elements":1048576,'
+         '"duration_s":{d:.6f},"ts":{ts:.3f}}}')
+
+
+@dataclass
+class Result:
+    backend: str
+    ranks: int
+    samples_per_s: float
+    p99_latency_ms: float
+    bytes_per_million_samples: float
+    samples: int
+    batches: int
+    p50_latency_ms: float
+    seconds: float
+    aggregate_lag_s: float | None
+    aggregate_during: bool
+    collectives: int
+    concurrency: int
+    batch: int
+    controller_cpu_s: float
+    samples_per_controller_cpu_s: float
+    load_average: float
+
+
+def build_bodies(job_id: str, ranks: int, collectives: int, samples: int, agents: int, batch: int) -> list[bytes]:
+    """Gzip TelemetryBatch bodies holding ``samples`` samples in total, steps in order, ranks split over agents."""
+    agents = max(1, min(agents, ranks))
+    slices = [range(a * ranks // agents, (a + 1) * ranks // agents) for a in range(agents)]
+    pending: list[list[str]] = [[] for _ in range(agents)]
+    seqs = [0] * agents
+    bodies: list[bytes] = []
+    t0 = time.time()
+    made = 0
+    step = 0
+
+    def cut(a: int) -> None:
+        items = pending[a]
+        body = (f'{{"agent_id":"bench-agent-{a}","node_id":"bench-node-{a}","seq":{seqs[a]},'
+                f'"sent_at":{time.time():.3f},"samples":[' + ",".join(items) + "]}")
+        bodies.append(gzip.compress(body.encode(), compresslevel=1))
+        seqs[a] += 1
+        pending[a] = []
+
+    while made < samples:
+        ts = t0 + step * 0.1
+        for a, rs in enumerate(slices):
+            for rank in rs:
+                if pending[a] and len(pending[a]) + 1 + collectives > batch:
+                    cut(a)
+                slow = 1.0 + (0.5 if rank == ranks - 1 else 0.0)  # one straggler, for realism
+                pending[a].append(_STEP.format(job=job_id, rank=rank, world=ranks, step=step, ts=ts,
+                                               loss=3.0 - step * 1e-3, st=0.1 * slow, comm=0.02 * collectives,
+                                               pid=10_000 + rank))
+                for seq in range(collectives):
+                    pending[a].append(_COLL.format(job=job_id, rank=rank, step=step, seq=seq,
+                                                   d=0.002 + 0.0001 * (rank % 7) + 0.001 * (slow - 1.0), ts=ts))
+                made += 1 + collectives
+                if made >= samples:
+                    break
+            if made >= samples:
+                break
+        step += 1
+    for a in range(agents):
+        if pending[a]:
+            cut(a)
+    return bodies
+
+
+@contextmanager
+def _database(backend: str, home: Path) -> Iterator[str]:
+    if backend == "sqlite":
+        yield f"sqlite:///{home / 'vigil.db'}"
+        return
+    import psycopg
+
+    name = f"vigil_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _db_bytes(url: str) -> int:
+    from sqlalchemy import text
+
+    from controller.db import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                pages = conn.exec_driver_sql("PRAGMA page_count").scalar() or 0
+                free = conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0
+                size = conn.exec_driver_sql("PRAGMA page_size").scalar() or 0
+                return int((pages - free) * size)
+            return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar() or 0)
+    finally:
+        engine.dispose()
+
+
+def _tokens(url: str) -> tuple[str, str]:
+    """(admin, agent) tokens issued straight in the database, as ``vigil up`` does."""
+    from controller import migrate
+    from controller.db import make_engine, make_session_factory, session_scope
+    from controller.schemas import Role, TokenCreate
+    from controller.tokens import create_token
+
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    try:
+        sessions = make_session_factory(engine)
+        with session_scope(sessions) as s:
+            admin = create_token(s, TokenCreate(role=Role.ADMIN, name="bench")).token
+            agent = create_token(s, TokenCreate(role=Role.AGENT, name="bench agents")).token
+        return admin, agent
+    finally:
+        engine.dispose()
+
+
+def _dirty_steps(url: str) -> int:
+    from sqlalchemy import func, select
+
+    from controller.db import make_engine
+    from controller.models import TelemetryDirtyStep
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(TelemetryDirtyStep)).scalar() or 0)
+    finally:
+        engine.dispose()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (the controller's own work, whatever else runs)."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def controller_process(url: str, home: Path, pid_out: list[int] | None = None, aggregate: bool = True
+                       ) -> Iterator[str]:
+    """``vigil controller`` on a free loopback port, stopped (and waited for) on exit."""
+    port = _free_port()
+    env = dict(os.environ, VIGIL_HOME=str(home), VIGIL_DATABASE_URL=url, VIGIL_PORT=str(port),
+               VIGIL_CONTROLLER_URL=f"http://127.0.0.1:{port}", PYTHONUNBUFFERED="1")
+    env.pop("VIGIL_RAY_ADDRESS", None)
+    if not aggregate:  # the aggregation pass sleeps through the run (measured afterwards on its own)
+        env["VIGIL_TELEMETRY_INTERVAL_S"] = "100000"
+        env["VIGIL_AGGREGATE_SETTLE_S"] = "100000"
+    log_path = home / "controller.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "controller", "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    if pid_out is not None:
+        pid_out.append(proc.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"controller exited: {log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{base}/api/v1/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("controller did not start")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _aggregate_all(url: str) -> float:
+    """Seconds to aggregate every dirty step now, in this process (one thread, as the controller does)."""
+    from controller.aggregation import TelemetryMaintainer
+    from controller.db import make_engine, make_session_factory
+
+    engine = make_engine(url)
+    try:
+        t = time.perf_counter()
+        TelemetryMaintainer(make_session_factory(engine), retention_s=1e9, settle_s=0.0).flush()
+        return time.perf_counter() - t
+    finally:
+        engine.dispose()
+
+
+def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, agents: int, batch: int,
+                concurrency: int, wait_aggregates: float, aggregate_during: bool = True) -> Result:
+    home = Path(tempfile.mkdtemp(prefix="vigil-bench-ingest-"))
+    try:
+        with _database(backend, home) as url:
+            admin, agent = _tokens(url)
+            proc_pid: list[int] = []
+            with controller_process(url, home, proc_pid, aggregate=aggregate_during) as base:
+                job = httpx.post(f"{base}/api/v1/jobs", json={"name": "bench-ingest", "steps": 1000},
+                                 headers={"Authorization": f"Bearer {admin}"}, timeout=30)
+                job.raise_for_status()
+                job_id = job.json()["id"]
+                log.info("%s: building %d samples (%d ranks x %d collectives)", backend, samples, ranks, collectives)
+                bodies = build_bodies(job_id, ranks, collectives, samples, agents, batch)
+                before = _db_bytes(url)
+                work: queue.Queue[bytes] = queue.Queue()
+                for b in bodies:
+                    work.put(b)
+                latencies: list[float] = []
+                stored = [0]
+                errors: list[str] = []
+                lock = threading.Lock()
+
+                def worker() -> None:
+                    headers = {"Authorization": f"Bearer {agent}", "Content-Encoding": "gzip",
+                               "Content-Type": "application/json"}
+                    with httpx.Client(base_url=base, timeout=120) as client:
+                        while True:
+                            try:
+                                body = work.get_nowait()
+                            except queue.Empty:
+                                return
+                            t = time.perf_counter()
+                            r = client.post("/api/v1/telemetry", content=body, headers=headers)
+                            dt = time.perf_counter() - t
+                            with lock:
+                                if r.status_code != 200:
+                                    errors.append(f"HTTP {r.status_code}: {r.text[:300]}")
+                                    continue
+                                latencies.append(dt)
+                                stored[0] += r.json()["stored"]
+
+                threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+                cpu0 = _cpu_seconds(proc_pid[0])
+                t0 = time.perf_counter()
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                elapsed = time.perf_counter() - t0
+                cpu = _cpu_seconds(proc_pid[0]) - cpu0
+                if errors:
+                    raise RuntimeError(f"{len(errors)} posts failed, first: {errors[0]}")
+                load = os.getloadavg()[0]
+                lag: float | None = None
+                if not aggregate_during:
+                    agg_s = _aggregate_all(url)
+                    lag = agg_s
+                elif wait_aggregates > 0:
+                    t1 = time.perf_counter()
+                    while time.perf_counter() - t1 < wait_aggregates:
+                        if _dirty_steps(url) == 0:
+                            lag = time.perf_counter() - t1
+                            break
+                        time.sleep(0.5)
+            after = _db_bytes(url)
+        latencies.sort()
+        return Result(
+            backend=backend, ranks=ranks, samples_per_s=round(stored[0] / elapsed, 1),
+            p99_latency_ms=round(1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
+            bytes_per_million_samples=round((after - before) * 1e6 / max(1, stored[0]), 1),
+            samples=stored[0], batches=len(bodies),
+            p50_latency_ms=round(1e3 * latencies[len(latencies) // 2], 2), seconds=round(elapsed, 3),
+            aggregate_lag_s=None if lag is None else round(lag, 2), aggregate_during=aggregate_during,
+            collectives=collectives,
+            concurrency=concurrency, batch=batch, controller_cpu_s=round(cpu, 2),
+            samples_per_controller_cpu_s=round(stored[0] / max(cpu, 1e-9), 1), load_average=round(load, 2),
+        )
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vigil bench ingest", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--ranks", type=int, default=1000, help="simulated ranks (1..10000, default 1000)")
+    ap.add_argument("--collectives", type=int, default=8, help="collective calls per rank and step (default 8)")
+    ap.add_argument("--samples", type=int, default=1_000_000, help="samples to send per backend (default 1M)")
+    ap.add_argument("--agents", type=int, default=8, help="simulated node agents (default 8)")
+    ap.add_argument("--batch", type=int, default=2000, help="samples per batch (default 2000, the agent's)")
+    ap.add_argument("--concurrency", type=int, default=4, help="posts in flight (default 4)")
+    ap.add_argument("--backend", choices=["sqlite", "postgresql", "both"], default="both")
+    ap.add_argument("--no-aggregate-during", dest="aggregate_during", action="store_false",
+                    help="hold the controller's aggregation pass during the run; aggregate_lag_s is then the time "
+                         "one thread takes to aggregate everything afterwards")
+    ap.add_argument("--wait-aggregates", type=float, default=120.0,
+                    help="seconds to wait for the aggregates to catch up after the last post (0: do not)")
+    args = ap.parse_args(argv)
+    if not 1 <= args.ranks <= 10_000:
+        ap.error("--ranks must be in [1, 10000]")
+    if not 1 <= args.batch <= 10_000:
+        ap.error("--batch must be in [1, 10000]")
+    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
+    results = [
+        run_backend(b, ranks=args.ranks, collectives=args.collectives, samples=args.samples, agents=args.agents,
+                    batch=args.batch, concurrency=args.concurrency, wait_aggregates=args.wait_aggregates,
+                    aggregate_during=args.aggregate_during)
+        for b in backends
+    ]
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+    else:
+        for r in results:
+            print(f"{r.backend:<10} ranks {r.ranks:>6}  {r.samples_per_s:>10,.0f} samples/s  p99 {r.p99_latency_ms:8.1f} ms"
+                  f"  {r.bytes_per_million_samples / 1e6:7.1f} MB per 1M samples  aggregates caught up "
+                  f"{r.aggregate_lag_s}s after the last post")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

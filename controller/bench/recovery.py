@@ -1,0 +1,267 @@
+"""``vigil bench recovery``: time to detect and to recover from each fault kind on a real local cluster.
+
+Starts a local Vigil (head + 3 worker raylets, one CPU each, real agents and controller), then runs
+one 2-rank job per fault kind, injects the fault through the API (or from outside for ``kill_9``
+and ``remove_node``), and reads the controller's incidents:
+
+- ``time_to_detect_s``: fault fired -> incident detected;
+- ``time_to_recover_s``: fault fired -> the first step the job ran after restoring;
+- ``lost_steps``: steps run twice because of the restart (last step before the fault, minus the
+  step the job resumed after);
+- ``culprit_correct``: the incident names the rank/node the fault hit.
+
+Also a clean run (no incidents expected: ``false_positives_clean_run``) and ETTR, the effective
+training time ratio of a job with a fault injected every ``--fault-every`` steps: the time its
+unique steps took, over its wall time from first step to last.
+
+Prints JSON with ``--json``. ``--quick`` runs one fault of each kind on short jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from controller.client import VigilClient
+from controller.localcluster import LocalCluster, free_port, start_local_cluster
+from controller.schemas import JobCreate
+
+log = logging.getLogger("vigil.bench.recovery")
+
+API = "/api/v1"
+
+
+def job_spec(name: str, steps: int, policy: str = "evict_restart", ckpt: int = 10) -> JobCreate:
+    return JobCreate.model_validate({
+        "name": name,
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "context": 64},
+        "data": {"max_bytes": 300_000},
+        "optimizer": {"kind": "adamw", "lr": 0.01},
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+        "steps": steps, "batch_size": 8,
+        "lr_schedule": {"kind": "constant"},
+        "checkpoint": {"interval_steps": ckpt, "keep_last": 3},
+        "recovery": {"policy": policy, "max_restarts": 5},
+    })
+
+
+def _ts(value: str | None) -> float | None:
+    return datetime.fromisoformat(value).timestamp() if value else None
+
+
+def _wait(cond, timeout: float, interval: float = 1.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+class Runner:
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.client = VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30)
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.client._request("GET", f"{API}{path}", params=params)
+
+    def post(self, path: str, body: dict | None = None) -> Any:
+        return self.client._request("POST", f"{API}{path}", json=body or {})
+
+    def reach(self, job_id: str, step: int, timeout: float = 300) -> bool:
+        return bool(_wait(lambda: (self.client.get_job(job_id).last_step or 0) >= step, timeout))
+
+    def finish(self, job_id: str, timeout: float = 600) -> str:
+        _wait(lambda: self.client.get_job(job_id).status.is_terminal(), timeout, 2)
+        return self.client.get_job(job_id).status.value
+
+    def rank_location(self, job_id: str, rank: int) -> tuple[str, int] | None:
+        for n in self.client.list_nodes().data:
+            for r in n.ranks:
+                if r.job_id == job_id and r.rank == rank and r.alive:
+                    return n.id, r.pid
+        return None
+
+    def rank0_series(self, job_id: str) -> tuple[list[int], list[float], list[float]]:
+        s = next((x for x in self.client.job_metrics(job_id, max_points=100_000).ranks if x.rank == 0), None)
+        if s is None:
+            return [], [], []
+        rows = sorted(zip(s.ts, s.step, s.step_time_s, strict=True))  # in the order they ran
+        return [r[1] for r in rows], [r[0] for r in rows], [r[2] for r in rows]
+
+    def restart_point(self, job_id: str, after: float) -> tuple[float | None, int]:
+        """(time of the first step after the restart, steps run twice)."""
+        steps, ts, _ = self.rank0_series(job_id)
+        for i in range(1, len(steps)):
+            if ts[i] > after and steps[i] <= steps[i - 1]:
+                return ts[i], steps[i - 1] - steps[i] + 1
+        # resumed right after a checkpoint at the last step: the first step after a pause
+        for i in range(1, len(steps)):
+            if ts[i] > after and ts[i] - ts[i - 1] > 5.0:
+                return ts[i], 0
+        return None, 0
+
+    # -- one fault -------------------------------------------------------------------------------
+    def run_fault(self, kind: str, steps: int, at: int) -> dict[str, Any]:
+        policy = "rollback" if kind == "nan_loss" else "evict_restart"
+        job = self.client.submit_job(job_spec(f"bench-{kind}", steps, policy))
+        out: dict[str, Any] = {"kind": kind, "job_id": job.id, "detected": False, "culprit_correct": False,
+                               "time_to_detect_s": None, "time_to_recover_s": None, "lost_steps": None}
+        if not self.reach(job.id, at):
+            out["error"] = "job did not reach the fault step"
+            return out
+        target_rank = 1
+        loc = self.rank_location(job.id, target_rank)
+        if loc is None:
+            out["error"] = "rank not found"
+            return out
+        node, pid = loc
+        fired = time.time()
+        expected_kind = {"kill_rank": "rank_died", "kill_9": "rank_died", "hang_rank": "hang",
+                         "slow_rank": "straggler", "nan_loss": "nan_loss", "kill_node": "node_lost",
+                         "remove_node": "node_lost"}[kind]
+        if kind == "kill_9":
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "remove_node":
+            self._remove_node(node)
+        else:
+            body: dict[str, Any] = {"kind": kind, "rank": target_rank, "step": at}
+            if kind == "slow_rank":
+                body["params"] = {"factor": 3}
+            if kind == "nan_loss":
+                body["step"] = at + 3
+            self.post(f"/jobs/{job.id}/faults", body)
+            fault = _wait(lambda: next((f for f in self.get(f"/jobs/{job.id}/faults")["data"]
+                                        if f["fired_at"]), None), 60, 0.5)
+            if fault:
+                fired = _ts(fault["fired_at"]) or fired
+        inc = _wait(lambda: next((i for i in self.get(f"/jobs/{job.id}/incidents")["data"]
+                                  if i["kind"] == expected_kind and (expected_kind != "hang" or i["rank"] is not None)),
+                                 None), 180, 0.5)
+        status = self.finish(job.id)
+        out["status"] = status
+        if inc is None:
+            return out
+        inc = next(i for i in self.get(f"/jobs/{job.id}/incidents")["data"] if i["id"] == inc["id"])
+        out["detected"] = True
+        out["time_to_detect_s"] = round((_ts(inc["detected_at"]) or fired) - fired, 2)
+        if kind == "nan_loss":
+            out["culprit_correct"] = inc["evidence"].get("step", 0) >= at + 3
+        elif expected_kind == "node_lost":
+            out["culprit_correct"] = inc["node_id"] == node
+        else:
+            out["culprit_correct"] = inc["rank"] == target_rank and inc["node_id"] == node
+        restart_ts, lost = self.restart_point(job.id, fired)
+        if restart_ts is not None:
+            out["time_to_recover_s"] = round(restart_ts - fired, 2)
+            out["lost_steps"] = lost
+        out["action"] = inc.get("action")
+        for n in self.client.list_nodes().data:  # give an evicted node back for the next fault
+            if n.state.value == "EVICTED":
+                self.post(f"/nodes/{n.id}/readmit")
+                _wait(lambda: any(x.id == n.id and x.state.value == "ALIVE" for x in self.client.list_nodes().data),
+                      60)
+                time.sleep(10)  # the fresh raylet registers with Ray
+        return out
+
+    def _remove_node(self, node: str) -> None:
+        idx = node.rsplit("-", 1)[1]
+        for child in self.cluster.procs.children:
+            if child.name in (f"ray-node-{idx}", f"agent-{idx}"):
+                try:
+                    procs = [*psutil.Process(child.proc.pid).children(recursive=True),
+                             psutil.Process(child.proc.pid)]
+                except psutil.Error:
+                    continue
+                for p in procs:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+
+    # -- clean run and ETTR -----------------------------------------------------------------------
+    def clean_run(self, steps: int) -> dict[str, Any]:
+        job = self.client.submit_job(job_spec("bench-clean", steps))
+        status = self.finish(job.id, timeout=steps * 2 + 300)
+        incidents = self.get(f"/jobs/{job.id}/incidents")["data"]
+        return {"job_id": job.id, "status": status, "steps": steps, "incidents": len(incidents),
+                "kinds": sorted({i["kind"] for i in incidents})}
+
+    def ettr(self, steps: int, fault_every: int) -> dict[str, Any]:
+        job = self.client.submit_job(job_spec("bench-ettr", steps))
+        at = fault_every
+        faults = 0
+        while at < steps:
+            if not self.reach(job.id, at, timeout=600):
+                break
+            self.post(f"/jobs/{job.id}/faults", {"kind": "kill_rank", "rank": faults % 2, "step": at})
+            faults += 1
+            at += fault_every
+        self.finish(job.id, timeout=1200)
+        step_nums, ts, times = self.rank0_series(job.id)
+        if not ts:
+            return {"ettr": None, "faults": faults}
+        wall = ts[-1] - ts[0] + (times[0] if times else 0.0)
+        productive = statistics.median(times) * (max(step_nums) - min(step_nums) + 1)
+        return {"ettr": round(min(1.0, productive / wall), 3), "faults": faults, "wall_s": round(wall, 1),
+                "status": self.client.get_job(job.id).status.value}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vigil bench recovery", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="Print JSON only.")
+    p.add_argument("--quick", action="store_true", help="One fault of each kind on short jobs (about 10 min).")
+    p.add_argument("--kinds", default="kill_rank,kill_9,hang_rank,slow_rank,nan_loss,kill_node",
+                   help="Comma-separated fault kinds (kill_node/remove_node last: they shrink the cluster).")
+    p.add_argument("--clean-steps", type=int, default=None, help="Steps of the clean run (default 1000; quick 200).")
+    p.add_argument("--fault-every", type=int, default=40, help="ETTR run: a kill_rank every N steps.")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    steps, at = (70, 20) if args.quick else (120, 30)
+    clean_steps = args.clean_steps or (200 if args.quick else 1000)
+    home = Path(tempfile.mkdtemp(prefix="vigil-bench-recovery-"))
+    t0 = time.time()
+    cluster = start_local_cluster(home, nodes=3, cpus_per_node=1, port=free_port())
+    try:
+        r = Runner(cluster)
+        results = [r.run_fault(k.strip(), steps, at) for k in args.kinds.split(",") if k.strip()]
+        clean = r.clean_run(clean_steps) if clean_steps > 0 else None
+        ettr = r.ettr(3 * args.fault_every + 20, args.fault_every) if not args.quick else None
+    finally:
+        cluster.stop()
+    out = {
+        "faults": results,
+        "false_positives_clean_run": clean["incidents"] if clean else None,
+        "clean_run": clean,
+        "ettr": ettr["ettr"] if ettr else None,
+        "ettr_run": ettr,
+        "wall_s": round(time.time() - t0, 1),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{'kind':<12} {'detected':>8} {'culprit':>8} {'detect s':>9} {'recover s':>10} {'lost':>5}")
+        for f in results:
+            print(f"{f['kind']:<12} {f['detected']!s:>8} {f['culprit_correct']!s:>8} {f['time_to_detect_s']!s:>9} "
+                  f"{f['time_to_recover_s']!s:>10} {f['lost_steps']!s:>5}")
+        print(f"false positives over {clean_steps} clean steps: {out['false_positives_clean_run']}; "
+              f"ETTR: {out['ettr']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Typed HTTP client for the controller's REST API.
+
+Used by the CLI, the agents, the dashboard and the tests. Only depends on httpx and the wire
+schemas, so every package may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from controller.schemas import (
+    CommandResult,
+    EventsPublic,
+    Health,
+    JobCollectivesPublic,
+    JobCreate,
+    JobMetrics,
+    JobPublic,
+    JobsPublic,
+    JobStepsPublic,
+    LogsPublic,
+    NodeCommandsPublic,
+    NodesPublic,
+    TelemetryAck,
+    TelemetryBatch,
+    TokenCreate,
+    TokenCreated,
+    TokenPublic,
+    TokensPublic,
+)
+
+API = "/api/v1"
+
+
+class ApiError(RuntimeError):
+    """The controller answered with an error status; ``detail`` is its explanation."""
+
+    def __init__(self, status_code: int, detail: Any) -> None:
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+class VigilClient:
+    """Synchronous client. ``transport`` lets tests pass an ASGI transport instead of real HTTP."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> VigilClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        resp = self._http.request(method, path, **kwargs)
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise ApiError(resp.status_code, detail)
+        return resp.json()
+
+    # -- health -------------------------------------------------------------------------------
+    def health(self) -> Health:
+        return Health.model_validate(self._request("GET", f"{API}/healthz"))
+
+    # -- jobs ---------------------------------------------------------------------------------
+    def submit_job(self, spec: JobCreate) -> JobPublic:
+        return JobPublic.model_validate(self._request("POST", f"{API}/jobs", json=spec.model_dump(mode="json")))
+
+    def list_jobs(self, limit: int = 100, offset: int = 0) -> JobsPublic:
+        return JobsPublic.model_validate(self._request("GET", f"{API}/jobs", params={"limit": limit, "offset": offset}))
+
+    def get_job(self, job_id: str) -> JobPublic:
+        return JobPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}"))
+
+    def cancel_job(self, job_id: str) -> JobPublic:
+        return JobPublic.model_validate(self._request("POST", f"{API}/jobs/{job_id}/cancel"))
+
+    def job_metrics(self, job_id: str, since_step: int | None = None, max_points: int | None = None) -> JobMetrics:
+        params: dict[str, int] = {"since_step": since_step} if since_step is not None else {}
+        if max_points is not None:
+            params["max_points"] = max_points
+        return JobMetrics.model_validate(self._request("GET", f"{API}/jobs/{job_id}/metrics", params=params))
+
+    def job_logs(self, job_id: str) -> LogsPublic:
+        return LogsPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/logs"))
+
+    # -- nodes and events ---------------------------------------------------------------------
+    def list_nodes(self) -> NodesPublic:
+        return NodesPublic.model_validate(self._request("GET", f"{API}/nodes"))
+
+    def list_events(self, job_id: str | None = None, limit: int = 100) -> EventsPublic:
+        params: dict[str, Any] = {"limit": limit}
+        if job_id:
+            params["job_id"] = job_id
+        return EventsPublic.model_validate(self._request("GET", f"{API}/events", params=params))
+
+    # -- telemetry ----------------------------------------------------------------------------
+    def post_telemetry(self, batch: TelemetryBatch) -> TelemetryAck:
+        return self.post_telemetry_raw(batch.model_dump_json().encode())
+
+    def post_telemetry_raw(self, body: bytes, encoding: str | None = None) -> TelemetryAck:
+        """Post an already-serialised batch (``encoding='gzip'`` when ``body`` is gzip-compressed)."""
+        headers = {"Content-Type": "application/json"}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        return TelemetryAck.model_validate(self._request("POST", f"{API}/telemetry", content=body, headers=headers))
+
+    # -- tokens (admin) -----------------------------------------------------------------------
+    def create_token(self, spec: TokenCreate) -> TokenCreated:
+        return TokenCreated.model_validate(self._request("POST", f"{API}/tokens", json=spec.model_dump(mode="json")))
+
+    def list_tokens(self, limit: int = 100, offset: int = 0, include_inactive: bool = True) -> TokensPublic:
+        params = {"limit": limit, "offset": offset, "include_inactive": include_inactive}
+        return TokensPublic.model_validate(self._request("GET", f"{API}/tokens", params=params))
+
+    def revoke_token(self, token_id: str) -> TokenPublic:
+        return TokenPublic.model_validate(self._request("POST", f"{API}/tokens/{token_id}/revoke"))
+
+    # -- node commands (agent role) -------------------------------------------------------------
+    def node_commands(self, node_id: str, status: str | None = "PENDING") -> NodeCommandsPublic:
+        """Commands for ``node_id``'s agent (``GET /nodes/{id}/commands``), oldest first; ``status=None``: all."""
+        params = {"status": status} if status is not None else {}
+        return NodeCommandsPublic.model_validate(
+            self._request("GET", f"{API}/nodes/{node_id}/commands", params=params))
+
+    def post_command_result(self, node_id: str, command_id: int, result: CommandResult) -> Any:
+        """The agent's answer to one command; idempotent (a second answer is ignored by the controller)."""
+        return self._request("POST", f"{API}/nodes/{node_id}/commands/{command_id}/result",
+                             json=result.model_dump(mode="json"))
+
+    # -- telemetry series ---------------------------------------------------------------------
+    def job_steps(
+        self, job_id: str, *, since_step: int | None = None, until_step: int | None = None,
+        since_ts: float | None = None, until_ts: float | None = None, ranks: list[int] | None = None,
+        max_points: int = 2000, max_ranks: int = 1024,
+    ) -> JobStepsPublic:
+        """Per-rank step breakdown (``GET /jobs/{id}/steps``)."""
+        params = _drop_none(since_step=since_step, until_step=until_step, since_ts=since_ts, until_ts=until_ts,
+                            ranks=ranks, max_points=max_points, max_ranks=max_ranks)
+        return JobStepsPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/steps", params=params))
+
+    def job_collectives(
+        self, job_id: str, *, since_step: int | None = None, until_step: int | None = None,
+        since_ts: float | None = None, until_ts: float | None = None, ranks: list[int] | None = None,
+        ops: list[str] | None = None, max_points: int = 2000, raw: bool = False, raw_limit: int = 10_000,
+    ) -> JobCollectivesPublic:
+        """Collective aggregates per kind and step, and each rank's calls with ``raw`` (``GET /jobs/{id}/collectives``)."""
+        params = _drop_none(since_step=since_step, until_step=until_step, since_ts=since_ts, until_ts=until_ts,
+                            ranks=ranks, ops=ops, max_points=max_points, raw=raw, raw_limit=raw_limit)
+        return JobCollectivesPublic.model_validate(
+            self._request("GET", f"{API}/jobs/{job_id}/collectives", params=params))
+
+    def prometheus_metrics(self) -> str:
+        """The controller's ``/metrics`` text (Prometheus exposition format)."""
+        resp = self._http.get("/metrics")
+        if resp.status_code >= 400:
+            raise ApiError(resp.status_code, resp.text)
+        return resp.text
+
+
+def _drop_none(**params: Any) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if v is not None}

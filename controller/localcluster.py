@@ -1,0 +1,445 @@
+"""``vigil up``: a real multi-node Vigil on one machine.
+
+A Ray head plus N worker raylets (``ray start --block``, each its own node id and a
+``vigil_node_<i>`` resource), one ``vigil agent`` per node, and the controller (with the dashboard)
+as child processes. Every child runs in its own session so that stopping it stops its whole process
+tree; the pids are written to ``<home>/run/pids.json`` so that a crashed run's leftovers are
+cleaned by the next ``vigil up``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from controller.netns import LinkSpec, NetnsCluster
+from controller.netns import cleanup_stale as cleanup_stale_netns
+from controller.settings import agent_socket_path
+
+# Variables that must not leak from the user's shell into the processes `vigil up` starts: each gets
+# exactly the token it needs (the agents an agent token; Ray jobs their own job token).
+_TOKEN_ENV = ("VIGIL_TOKEN", "VIGIL_AGENT_TOKEN", "VIGIL_DASHBOARD_TOKEN")
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def ensure_ray_token() -> None:
+    """Turn on Ray token authentication for this process and its children, creating a token if none exists."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        log.warning("RAY_AUTH_MODE=disabled: the Ray cluster runs without token authentication")
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.exists():
+        import secrets
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        log.info("created Ray auth token at %s", path)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+@dataclass
+class ProcessGroup:
+    """Child processes, each in its own session, stopped together (newest first)."""
+
+    pid_file: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        self._write_pids()
+        return child
+
+    def stop_child(self, child: Child) -> None:
+        _signal_group(child.proc.pid, signal.SIGKILL)
+        kill_session(child.proc.pid)
+        try:
+            child.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            log.error("%s (pid %d) did not exit", child.name, child.proc.pid)
+        self.children.remove(child)
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_file.write_text(json.dumps({c.name: c.proc.pid for c in self.children}))
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        # Ray's job drivers run in sessions of their own under a Ray worker: find every descendant
+        # now, while the tree is intact, so that none is left behind once its parents are gone.
+        descendants = [pid for child in self.children for pid in _descendants(child.proc.pid)]
+        for child in reversed(self.children):
+            _signal_group(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left in any child's session (raylet workers, job drivers) goes now.
+        for child in reversed(self.children):
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            kill_session(child.proc.pid)  # members that moved to another process group
+            try:
+                child.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) did not exit", child.name, child.proc.pid)
+        _kill_pids(descendants)
+        self.children.clear()
+        self.pid_file.unlink(missing_ok=True)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids whose session id is ``sid`` (Ray may start helpers in their own process groups)."""
+    out = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid:
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def kill_session(sid: int) -> int:
+    """SIGKILL every process of session ``sid``; returns how many there were."""
+    members = _session_members(sid)
+    _kill_pids(members)
+    return len(members)
+
+
+def _kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def clean_stale(pid_file: Path) -> int:
+    """Kill the sessions a crashed ``vigil up`` left behind (from its pid file)."""
+    if not pid_file.exists():
+        return 0
+    try:
+        pids = json.loads(pid_file.read_text())
+    except ValueError:
+        pids = {}
+    n = 0
+    for name, pid in pids.items():
+        killed = kill_session(int(pid))
+        if killed:
+            log.warning("killed %d leftover process(es) of %s from an earlier run", killed, name)
+        n += killed
+    pid_file.unlink(missing_ok=True)
+    return n
+
+
+@dataclass
+class LocalCluster:
+    """Handles on a running local Vigil (what tests and ``vigil up`` need)."""
+
+    home: Path
+    controller_url: str
+    ray_address: str
+    dashboard_url: str
+    node_ids: list[str]
+    procs: ProcessGroup
+    ray_temp_dir: Path
+    run_dir: Path
+    admin_token: str = field(default="", repr=False)
+    """The admin token (also in :attr:`admin_token_path`, mode 0600)."""
+    admin_token_path: Path | None = None
+    database_url: str = ""
+    agent_token_id: str | None = None
+    netns: NetnsCluster | None = None
+    """The namespaces of ``vigil up --netns`` (None: every node on the host's own network)."""
+
+    def stop(self) -> None:
+        self.procs.stop_all()
+        if self.netns is not None:
+            self.netns.destroy()  # namespaces, veths, bridge, qdiscs, and any process left inside
+        shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.agent_token_id and self.database_url:
+            _revoke(self.database_url, self.agent_token_id)  # its agents are gone
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _revoke(database_url: str, token_id: str) -> None:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from controller.db import make_engine, make_session_factory, session_scope
+    from controller.tokens import revoke_token
+
+    engine = make_engine(database_url)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            revoke_token(session, token_id)
+    except (SQLAlchemyError, OSError) as exc:  # the database may be gone; the token then is too
+        log.warning("could not revoke the agents' token %s: %s", token_id, exc)
+    finally:
+        engine.dispose()
+
+
+def _bootstrap(home: Path, database_url: str):  # type: ignore[no-untyped-def]
+    """Schema and tokens before any process starts: the admin token file and this run's agent token."""
+    from controller import migrate
+    from controller.auth import bootstrap_tokens
+    from controller.db import make_engine, make_session_factory
+
+    migrate.upgrade(database_url)
+    engine = make_engine(database_url)
+    try:
+        return bootstrap_tokens(make_session_factory(engine), home)
+    finally:
+        engine.dispose()
+
+
+def _wait(cond, timeout: float, what: str, interval: float = 0.5):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+            if value:
+                return value
+        except Exception as exc:  # still starting
+            last_exc = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" ({last_exc})" if last_exc else ""))
+
+
+def node_name(i: int) -> str:
+    """The Ray node name (and Vigil node id) of local node ``i``; the head is node 0."""
+    return f"vigil-node-{i}"
+
+
+def _ray_nodes(dashboard_url: str) -> dict[str, str]:
+    """Node name -> Ray node id, for Vigil's nodes that are alive."""
+    from ray.util.state import list_nodes
+
+    return {n.node_name: n.node_id for n in list_nodes(address=dashboard_url, raise_on_missing_output=False)
+            if n.state == "ALIVE" and n.node_name.startswith("vigil-node-")}
+
+
+def _start_node_with_retries(
+    procs: ProcessGroup, name: str, argv: list[str], env: dict[str, str], log_dir: Path, dashboard_url: str,
+    timeout: float, attempts: int = 3,
+) -> None:
+    resource = name.replace("ray-node-", "vigil-node-")
+    for attempt in range(1, attempts + 1):
+        child = procs.start(name, argv, env, log_dir)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                break
+            try:
+                if resource in _ray_nodes(dashboard_url):
+                    return
+            except Exception:  # dashboard busy; ask again
+                pass
+            time.sleep(0.5)
+        log.warning("%s did not register (attempt %d/%d); see %s", name, attempt, attempts, child.log_path)
+        procs.stop_child(child)
+    raise TimeoutError(f"{name} did not join the Ray cluster after {attempts} attempts; see {log_dir}")
+
+
+def agent_extra_args(node_id: str, join_cmds: dict[str, list[str]], home: Path, procs: ProcessGroup) -> list[str]:
+    """Flags for the agent's recovery commands: where checkpoints live, its raylet, how it rejoins."""
+    extra = ["--storage-root", str(home / "storage")]
+    if node_id in join_cmds:
+        extra += ["--ray-join-cmd", json.dumps(join_cmds[node_id])]
+    ray_start = next((c for c in procs.children if c.name == f"ray-node-{node_id.rsplit('-', 1)[1]}"), None)
+    if ray_start is not None:
+        extra += ["--ray-start-pid", str(ray_start.proc.pid)]
+    return extra
+
+
+def start_local_cluster(
+    home: Path,
+    *,
+    nodes: int = 2,
+    cpus_per_node: int = 2,
+    port: int = 8000,
+    database_url: str | None = None,
+    object_store_bytes: int = 150 * 1024 * 1024,
+    run_dir: Path | None = None,
+    timeout: float = 120.0,
+    netns: bool = False,
+    link: LinkSpec | None = None,
+) -> LocalCluster:
+    """Start head + ``nodes`` worker raylets, the controller and one agent per node; wait until all are up.
+
+    ``netns``: every worker node (raylet and agent) in its own network namespace with a veth ``eth0``
+    shaped as ``link`` (controller/netns.py); the head, the controller and the dashboard stay in the
+    host's namespace, on 127.0.0.1 for the user and on the bridge address for the nodes. The head then
+    has no CPUs, so ranks run only on namespaced nodes, where gloo uses ``eth0``. Without root (or
+    ``ip``/``tc``) it says why in one line and starts the plain cluster.
+    """
+    home = home.resolve()
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="vigil-run-", dir="/tmp"))
+    log_dir = home / "logs"
+    pid_file = home / "run" / "pids.json"
+    clean_stale(pid_file)
+    cleanup_stale_netns(home)  # a crashed run's namespaces, veths and bridge (whether or not this one uses them)
+    net = _create_netns(home, nodes, link) if netns else None
+    ensure_ray_token()
+    db_url = database_url or f"sqlite:///{home / 'vigil.db'}"
+    tokens = _bootstrap(home, db_url)
+    auth = {"Authorization": f"Bearer {tokens.admin}"}
+
+    procs = ProcessGroup(pid_file)
+    # Short, private temp dir: Ray's unix socket paths must stay under 108 bytes.
+    ray_temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
+    gcs_port, dash_port = free_port(), free_port()
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in _TOKEN_ENV:
+        env.pop(name, None)
+    dashboard_url = f"http://{LOOPBACK}:{dash_port}"
+    controller_url = f"http://{LOOPBACK}:{port}"
+    # Where the nodes reach the head and the controller: loopback, or the bridge from a namespace.
+    head_ip = net.gateway if net else LOOPBACK
+    node_controller_url = f"http://{head_ip}:{port}"
+    join_cmds: dict[str, list[str]] = {}
+    try:
+        common = ["--block", f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
+        head_cpus = 0 if net else cpus_per_node  # netns: ranks only where gloo has an eth0
+        procs.start("ray-head", [ray_bin, "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_temp}",
+                                 "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
+                                 f"--dashboard-port={dash_port}", "--resources", json.dumps({"vigil_node_0": 1}),
+                                 f"--node-name={node_name(0)}", f"--num-cpus={head_cpus}",
+                                 f"--node-ip-address={head_ip}", *common, *_agent_port()], env, log_dir)
+        _wait(lambda: _ray_nodes(dashboard_url).get(node_name(0)), timeout, "the Ray head")
+        # One node at a time: Ray gives a raylet 30 s to register with the GCS, which an overloaded
+        # machine can miss; a node whose `ray start` gave up is started again.
+        for i in range(1, nodes + 1):
+            argv = [ray_bin, "start", f"--address={head_ip}:{gcs_port}", f"--node-name={node_name(i)}",
+                    "--resources", json.dumps({f"vigil_node_{i}": 1}), f"--num-cpus={cpus_per_node}", *common,
+                    *_agent_port()]
+            node_env = env
+            if net:
+                # Its own address and temp dir (a second raylet sharing the head's does not register);
+                # gloo on its eth0 (Ray's workers, the ranks, inherit the raylet's environment).
+                argv += [f"--node-ip-address={net.node(i).address}", f"--temp-dir={ray_temp}/n{i}"]
+                node_env = dict(env, GLOO_SOCKET_IFNAME=net.node(i).iface)
+            else:
+                argv.append(f"--node-ip-address={LOOPBACK}")
+            join_cmds[node_name(i)] = argv  # the agent runs it from inside the node's namespace
+            _start_node_with_retries(procs, f"ray-node-{i}", net.node(i).exec_argv(argv) if net else argv,
+                                     node_env, log_dir, dashboard_url, timeout)
+        node_ids = [node_name(i) for i in range(nodes + 1)]
+
+        vigil_env = dict(env, VIGIL_HOME=str(home), VIGIL_RAY_ADDRESS=dashboard_url, VIGIL_PORT=str(port),
+                         VIGIL_CONTROLLER_URL=controller_url, VIGIL_RUN_DIR=str(run_dir),
+                         VIGIL_RAY_GCS_ADDRESS=f"{head_ip}:{gcs_port}",
+                         VIGIL_STORAGE_PATH=str(home / "storage"))
+        if database_url:
+            vigil_env["VIGIL_DATABASE_URL"] = database_url
+        vigil = [sys.executable, "-m", "controller.cli"]
+        listen = ["--extra-host", head_ip, "--allow-remote"] if net else []
+        procs.start("controller", [*vigil, "controller", "--port", str(port), *listen], vigil_env, log_dir)
+        _wait(lambda: httpx.get(f"{controller_url}/api/v1/healthz", timeout=2).status_code == 200, timeout,
+              f"the controller on {controller_url}")
+        agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agent)  # by env: a --token would show in `ps`
+        for i, node_id in enumerate(node_ids):
+            url = node_controller_url if net and i > 0 else controller_url
+            argv = [*vigil, "agent", "--node-id", node_id, "--controller", url,
+                    "--socket", str(agent_socket_path(run_dir, node_id)),
+                    "--spool-dir", str(home / "spool" / node_id), *agent_extra_args(node_id, join_cmds, home, procs)]
+            if net and i > 0:
+                # Inside the node's namespace: its heartbeats carry that node's eth0 counters, and its
+                # network faults shape that eth0 (agent/netfaults.py), restoring `link` on clear.
+                procs.start(f"agent-{i}", net.node(i).exec_argv(argv),
+                            dict(agent_env, VIGIL_CONTROLLER_URL=url, VIGIL_NIC_IFACE=net.node(i).iface,
+                                 VIGIL_NIC_LINK=net.link.to_json()), log_dir)
+            else:
+                procs.start(f"agent-{i}", argv, agent_env, log_dir)
+        _wait(lambda: httpx.get(f"{controller_url}/api/v1/nodes", headers=auth, timeout=2).json()["count"]
+              >= nodes + 1, timeout, "every agent's first heartbeat")
+    except BaseException:
+        procs.stop_all()
+        if net is not None:
+            net.destroy()
+        shutil.rmtree(ray_temp, ignore_errors=True)
+        _revoke(db_url, tokens.agent_token_id)
+        raise
+    return LocalCluster(home, controller_url, f"{head_ip}:{gcs_port}", dashboard_url, node_ids, procs, ray_temp,
+                        run_dir, admin_token=tokens.admin, admin_token_path=tokens.admin_path, database_url=db_url,
+                        agent_token_id=tokens.agent_token_id, netns=net)
+
+
+def _agent_port() -> list[str]:
+    """A free port for the node's Ray dashboard agent. Its default (52365) is one per host: a second
+    cluster's head then gets no agent HTTP server (its agent also binds 127.0.0.1), and Ray refuses
+    every job submission with "No available agent to submit job"."""
+    return [f"--dashboard-agent-listen-port={free_port()}"]
+
+
+def _create_netns(home: Path, nodes: int, link: LinkSpec | None) -> NetnsCluster | None:
+    """The namespaces of ``vigil up --netns``, or None (with one line saying why) where they cannot be made."""
+    from controller import netns
+
+    reason = netns.unavailable_reason()
+    if reason:
+        log.warning("--netns: %s; starting the plain local cluster instead", reason)
+        return None
+    return netns.create(home, nodes, link)

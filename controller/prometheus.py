@@ -1,0 +1,236 @@
+"""Prometheus export: ``/metrics`` in the text format, read from the database on each scrape.
+
+A custom collector, not gauges updated on ingest, because:
+
+* the state lives in the database (aggregates, nodes' latest heartbeats), so a restarted
+  controller, or a second one on the same database, exports the same values at once;
+* ingest is the hot path (100k samples/s): it should not also pay for updating gauges, while a
+  scrape every 15 s costs a handful of indexed queries;
+* label sets stay bounded by construction, and series of a job that ended simply stop being
+  exported instead of lingering until someone removes their labels.
+
+Bounded labels: only active jobs (PENDING/RUNNING), at most ``max_jobs`` (newest first); per job,
+per-rank series only for the ``max_ranks`` slowest ranks of the latest aggregated step (job-level
+series summarise all ranks); at most ``MAX_KINDS`` kinds of collective per job and
+``MAX_INTERFACES`` NICs per node; label values are cut to ``LABEL_MAX`` characters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from controller.db import session_scope
+from controller.models import CollectiveStepStat, Job, JobStepStat, Node, RankStepStat
+from controller.schemas import JobStatus
+
+MAX_KINDS = 16
+MAX_INTERFACES = 16
+MAX_NODES = 4096
+LABEL_MAX = 64
+#: Upper bounds (seconds) of the histograms of step and collective time across ranks.
+TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+NIC_RATES = {
+    "rx_bytes_per_s": ("vigil_node_nic_receive_bytes_per_second", "Bytes received per second (from counters)."),
+    "tx_bytes_per_s": ("vigil_node_nic_transmit_bytes_per_second", "Bytes sent per second (from counters)."),
+    "rx_errors_per_s": ("vigil_node_nic_receive_errors_per_second", "Receive errors per second."),
+    "tx_errors_per_s": ("vigil_node_nic_transmit_errors_per_second", "Transmit errors per second."),
+    "rx_dropped_per_s": ("vigil_node_nic_receive_drops_per_second", "Received packets dropped per second."),
+    "tx_dropped_per_s": ("vigil_node_nic_transmit_drops_per_second", "Sent packets dropped per second."),
+}
+
+
+def _label(v: object) -> str:
+    return str(v)[:LABEL_MAX]
+
+
+def _histogram(name: str, doc: str, labels: list[str], values_by_labels: dict[tuple[str, ...], list[float]]
+               ) -> HistogramMetricFamily:
+    h = HistogramMetricFamily(name, doc, labels=labels)
+    for key, values in values_by_labels.items():
+        buckets = [(str(b), float(sum(1 for v in values if v <= b))) for b in TIME_BUCKETS]
+        buckets.append(("+Inf", float(len(values))))
+        h.add_metric(list(key), buckets, sum_value=sum(values))
+    return h
+
+
+class VigilCollector(Collector):
+    """Reads the current state on every scrape (see the module docstring for what and why)."""
+
+    def __init__(self, sessions: sessionmaker[Session], *, max_jobs: int = 20, max_ranks: int = 32,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.sessions = sessions
+        self.max_jobs = max_jobs
+        self.max_ranks = max_ranks
+        self.clock = clock
+
+    def describe(self) -> list[Metric]:
+        return []  # no scrape at registration: the database may not be there yet
+
+    def collect(self) -> Iterator[Metric]:
+        with session_scope(self.sessions) as session:
+            yield from self._jobs(session)
+            yield from self._nodes(session)
+
+    # -- jobs -------------------------------------------------------------------------------------
+    def _jobs(self, session: Session) -> Iterator[Metric]:
+        counts = GaugeMetricFamily("vigil_jobs", "Jobs by status.", labels=["status"])
+        by_status = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+        for st in JobStatus:
+            counts.add_metric([st.value], float(by_status.get(st.value, 0)))
+        yield counts
+
+        active = session.scalars(
+            select(Job).where(Job.status.in_([JobStatus.PENDING.value, JobStatus.RUNNING.value]))
+            .order_by(Job.created_at.desc()).limit(self.max_jobs)
+        ).all()
+        last_step = GaugeMetricFamily("vigil_job_last_step", "Newest step reported by the job.", labels=["job"])
+        agg_step = GaugeMetricFamily("vigil_job_aggregated_step", "Newest aggregated step.", labels=["job"])
+        loss = GaugeMetricFamily("vigil_job_loss", "Mean training loss over ranks of the newest aggregated step.",
+                                 labels=["job"])
+        st_p50 = GaugeMetricFamily("vigil_job_step_time_p50_seconds", "Median step time over ranks (newest step).",
+                                   labels=["job"])
+        st_max = GaugeMetricFamily("vigil_job_step_time_max_seconds", "Slowest rank's step time (newest step).",
+                                   labels=["job"])
+        wait_max = GaugeMetricFamily("vigil_job_comm_wait_max_seconds",
+                                     "Largest wait inside collectives of any rank (newest step).", labels=["job"])
+        bits = GaugeMetricFamily("vigil_job_wire_bits_per_step", "Bits all ranks put on the wire in the newest step.",
+                                 labels=["job"])
+        ranks_g = GaugeMetricFamily("vigil_job_ranks", "Ranks that reported the newest aggregated step.",
+                                    labels=["job"])
+        r_time = GaugeMetricFamily("vigil_rank_step_time_seconds", "Step time of the slowest ranks (newest step).",
+                                   labels=["job", "rank", "node"])
+        r_comm = GaugeMetricFamily("vigil_rank_comm_seconds", "Time in collectives (newest step).",
+                                   labels=["job", "rank", "node"])
+        r_wait = GaugeMetricFamily("vigil_rank_comm_wait_seconds", "Wait inside collectives (newest step).",
+                                   labels=["job", "rank", "node"])
+        r_bits = GaugeMetricFamily("vigil_rank_wire_bits", "Bits the rank put on the wire (newest step).",
+                                   labels=["job", "rank", "node"])
+        c_p50 = GaugeMetricFamily("vigil_collective_p50_seconds", "Median over ranks of time in this collective kind.",
+                                  labels=["job", "op", "group", "tag"])
+        c_max = GaugeMetricFamily("vigil_collective_max_seconds", "Slowest rank's time in this collective kind.",
+                                  labels=["job", "op", "group", "tag"])
+        c_wait = GaugeMetricFamily("vigil_collective_wait_max_seconds", "Largest wait in this collective kind.",
+                                   labels=["job", "op", "group", "tag"])
+        c_bits = GaugeMetricFamily("vigil_collective_wire_bits", "Bits on the wire, all ranks, this kind, newest step.",
+                                   labels=["job", "op", "group", "tag"])
+        step_hist: dict[tuple[str, ...], list[float]] = {}
+        coll_hist: dict[tuple[str, ...], list[float]] = {}
+        for job in active:
+            jl = _label(job.id)
+            if job.last_step is not None:
+                last_step.add_metric([jl], float(job.last_step))
+            latest = session.scalars(
+                select(JobStepStat).where(JobStepStat.job_id == job.id).order_by(JobStepStat.step.desc()).limit(1)
+            ).first()
+            if latest is None:
+                continue
+            agg_step.add_metric([jl], float(latest.step))
+            ranks_g.add_metric([jl], float(latest.ranks))
+            bits.add_metric([jl], 8.0 * latest.wire_bytes)
+            for g, v in ((loss, latest.loss_mean), (st_p50, latest.step_time_p50_s), (st_max, latest.step_time_max_s),
+                         (wait_max, latest.comm_wait_max_s)):
+                if v is not None:
+                    g.add_metric([jl], float(v))
+            times = session.scalars(
+                select(RankStepStat.step_time_s).where(
+                    RankStepStat.job_id == job.id, RankStepStat.step == latest.step,
+                    RankStepStat.step_time_s.is_not(None))
+            ).all()
+            step_hist[(jl,)] = [float(t) for t in times if t is not None]
+            slow = session.execute(
+                select(RankStepStat.rank, RankStepStat.node_id, RankStepStat.step_time_s, RankStepStat.comm_s,
+                       RankStepStat.comm_wait_s, RankStepStat.wire_bytes)
+                .where(RankStepStat.job_id == job.id, RankStepStat.step == latest.step)
+                .order_by(RankStepStat.step_time_s.desc(), RankStepStat.rank).limit(self.max_ranks)
+            ).all()
+            for r in slow:
+                labels = [jl, str(r.rank), _label(r.node_id)]
+                for g, v in ((r_time, r.step_time_s), (r_comm, r.comm_s), (r_wait, r.comm_wait_s)):
+                    if v is not None:
+                        g.add_metric(labels, float(v))
+                r_bits.add_metric(labels, 8.0 * r.wire_bytes)
+            kinds = session.scalars(
+                select(CollectiveStepStat).where(
+                    CollectiveStepStat.job_id == job.id, CollectiveStepStat.step == latest.step)
+                .order_by(CollectiveStepStat.max_s.desc()).limit(MAX_KINDS)
+            ).all()
+            for k in kinds:
+                labels = [jl, _label(k.op), _label(k.group), _label(k.tag)]
+                c_p50.add_metric(labels, k.p50_s)
+                c_max.add_metric(labels, k.max_s)
+                c_wait.add_metric(labels, k.wait_max_s)
+                c_bits.add_metric(labels, 8.0 * k.wire_bytes)
+            comm = session.scalars(
+                select(RankStepStat.comm_s).where(
+                    RankStepStat.job_id == job.id, RankStepStat.step == latest.step, RankStepStat.comm_s.is_not(None))
+            ).all()
+            coll_hist[(jl,)] = [float(c) for c in comm if c is not None]
+        yield from (last_step, agg_step, loss, st_p50, st_max, wait_max, bits, ranks_g, r_time, r_comm, r_wait, r_bits,
+                    c_p50, c_max, c_wait, c_bits)
+        yield _histogram("vigil_job_rank_step_time_seconds", "Step time across the ranks of the newest step.",
+                         ["job"], step_hist)
+        yield _histogram("vigil_job_rank_comm_seconds", "Time in collectives across the ranks of the newest step.",
+                         ["job"], coll_hist)
+
+    # -- nodes ------------------------------------------------------------------------------------
+    def _nodes(self, session: Session) -> Iterator[Metric]:
+        now = self.clock()
+        age = GaugeMetricFamily("vigil_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat.",
+                                labels=["node", "state"])
+        dropped = GaugeMetricFamily("vigil_node_dropped_samples", "Samples lost on the node since its agent started.",
+                                    labels=["node"])
+        nic: dict[str, GaugeMetricFamily] = {
+            key: GaugeMetricFamily(name, doc, labels=["node", "interface"]) for key, (name, doc) in NIC_RATES.items()
+        }
+        up = GaugeMetricFamily("vigil_node_nic_up", "1 when the interface's operstate is up.",
+                               labels=["node", "interface"])
+        for node in session.scalars(select(Node).order_by(Node.id).limit(MAX_NODES)).all():
+            nl = _label(node.id)
+            if node.last_heartbeat is not None:
+                age.add_metric([nl, _label(node.state)], max(0.0, now - node.last_heartbeat.timestamp()))
+            dropped.add_metric([nl], float(node.dropped_samples or 0))
+            interfaces = _interfaces(node.host)
+            for name in sorted(interfaces)[:MAX_INTERFACES]:
+                m = interfaces[name]
+                il = _label(name)
+                for key, g in nic.items():
+                    v = m.get(key)
+                    if isinstance(v, int | float) and not isinstance(v, bool):
+                        g.add_metric([nl, il], float(v))
+                if isinstance(m.get("operstate"), str):
+                    up.add_metric([nl, il], 1.0 if m["operstate"] == "up" else 0.0)
+        yield from (age, dropped, *nic.values(), up)
+
+
+def _interfaces(host: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """``host.nics.interfaces`` of a heartbeat, or nothing when absent or unavailable."""
+    nics = (host or {}).get("nics")
+    if not isinstance(nics, dict):
+        return {}
+    interfaces = nics.get("interfaces")
+    if not isinstance(interfaces, dict):
+        return {}
+    return {str(k): v for k, v in interfaces.items() if isinstance(v, dict)}
+
+
+def make_registry(sessions: sessionmaker[Session], *, max_jobs: int = 20, max_ranks: int = 32) -> CollectorRegistry:
+    """A registry of its own (not the process-global one) holding a :class:`VigilCollector`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(VigilCollector(sessions, max_jobs=max_jobs, max_ranks=max_ranks))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text exposition format."""
+    return generate_latest(registry)
+
+
+__all__ = ["LABEL_MAX", "MAX_INTERFACES", "MAX_KINDS", "VigilCollector", "make_registry", "render"]

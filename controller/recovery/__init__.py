@@ -1,0 +1,1 @@
+"""Detection, diagnosis, recovery and fault injection (docs/RECOVERY.md)."""

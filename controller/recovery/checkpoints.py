@@ -1,0 +1,38 @@
+"""Checkpoints jobs report (rank 0, through the telemetry path), and reads of them."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controller.models import Checkpoint
+from controller.schemas import CheckpointPublic, CheckpointSample
+
+
+def record_checkpoints(session: Session, samples: list[CheckpointSample]) -> None:
+    """Upsert by (job, path): a checkpoint later found corrupt is re-reported with ``valid=False``."""
+    for s in samples:
+        row = session.scalar(select(Checkpoint).where(Checkpoint.job_id == s.job_id, Checkpoint.path == s.path))
+        if row is None:
+            row = Checkpoint(job_id=s.job_id, path=s.path)
+            session.add(row)
+        row.step = s.step
+        row.valid = s.valid
+        row.world_size = s.world_size
+        row.files = s.files
+        row.bytes = s.bytes
+        row.manifest_sha256 = s.manifest_sha256
+        row.loss = s.loss
+    session.flush()
+
+
+def list_checkpoints(session: Session, job_id: str) -> list[CheckpointPublic]:
+    rows = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)).all()
+    return [CheckpointPublic.model_validate(r, from_attributes=True) for r in rows]
+
+
+def newest_valid(session: Session, job_id: str) -> Checkpoint | None:
+    return session.scalar(
+        select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.valid.is_(True))
+        .order_by(Checkpoint.step.desc()).limit(1)
+    )

@@ -1,0 +1,73 @@
+"""Commands for node agents: queued by the monitor and the API, fetched and answered by the agents."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controller.jobs import record_event
+from controller.models import NodeCommandRow, StackDump
+from controller.schemas import CommandKind, CommandResult, CommandStatus, NodeCommand
+
+log = logging.getLogger(__name__)
+
+
+def enqueue(
+    session: Session, node_id: str, kind: CommandKind, args: dict[str, Any] | None = None, *,
+    job_id: str | None = None, incident_id: int | None = None, fault_id: int | None = None,
+) -> NodeCommandRow:
+    row = NodeCommandRow(node_id=node_id, kind=kind.value, args=args or {}, status=CommandStatus.PENDING.value,
+                         job_id=job_id, incident_id=incident_id, fault_id=fault_id, result={})
+    session.add(row)
+    session.flush()
+    record_event(session, "command", f"{kind.value} -> {node_id}", job_id=job_id, node_id=node_id,
+                 data={"command_id": row.id, "args": row.args})
+    return row
+
+
+def pending(session: Session, node_id: str, limit: int = 100) -> list[NodeCommand]:
+    rows = session.scalars(
+        select(NodeCommandRow).where(NodeCommandRow.node_id == node_id,
+                                     NodeCommandRow.status == CommandStatus.PENDING.value)
+        .order_by(NodeCommandRow.id).limit(limit)
+    ).all()
+    return [to_public(r) for r in rows]
+
+
+def to_public(r: NodeCommandRow) -> NodeCommand:
+    return NodeCommand(id=r.id, node_id=r.node_id, kind=CommandKind(r.kind), args=r.args,
+                       status=CommandStatus(r.status), created_at=r.created_at)
+
+
+class CommandNotFound(LookupError):
+    pass
+
+
+def record_result(session: Session, node_id: str, command_id: int, result: CommandResult) -> bool:
+    """Store an agent's answer once (a repeat is ignored: returns False). py-spy stacks become StackDumps."""
+    row = session.get(NodeCommandRow, command_id)
+    if row is None or row.node_id != node_id:
+        raise CommandNotFound(command_id)
+    if row.status != CommandStatus.PENDING.value:
+        return False
+    row.status = (CommandStatus.DONE if result.ok else CommandStatus.FAILED).value
+    row.result = result.output
+    row.message = result.message[:4096] or None
+    row.done_at = datetime.now(UTC)
+    if row.kind == CommandKind.PYSPY_DUMP.value and row.job_id:
+        pids = row.args.get("pids", {})
+        states = result.output.get("states", {}) if isinstance(result.output.get("states"), dict) else {}
+        for rank, text in (result.output.get("stacks") or {}).items():
+            state = states.get(str(rank))
+            header = f"# process state: {state}\n" if state else ""
+            session.add(StackDump(job_id=row.job_id, incident_id=row.incident_id, node_id=node_id, rank=int(rank),
+                                  pid=int(pids.get(str(rank), 0)), stack=(header + str(text))[:200_000]))
+    record_event(session, "command_result", f"{row.kind} on {node_id}: {'ok' if result.ok else 'failed'}"
+                 + (f" ({result.message[:200]})" if result.message else ""), job_id=row.job_id, node_id=node_id,
+                 data={"command_id": row.id})
+    session.flush()
+    return True

@@ -1,0 +1,178 @@
+"""Fault injection: faults are stored, fired when their job reaches the step, and undone at the end.
+
+Every fault is carried out for real by the target node's agent (signals to the rank's process, a
+fault file the rank reads, bytes overwritten in a checkpoint, the raylet killed); the controller only
+decides when and where.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controller.jobs import record_event
+from controller.models import Fault, Job, Node
+from controller.recovery import commands
+from controller.recovery.checkpoints import newest_valid
+from controller.schemas import (
+    CommandKind,
+    FaultCreate,
+    FaultKind,
+    FaultPublic,
+    FaultStatus,
+    JobStatus,
+    NodeState,
+)
+
+log = logging.getLogger(__name__)
+
+NETWORK_KINDS = {FaultKind.DEGRADE_NIC, FaultKind.NIC_LATENCY, FaultKind.NIC_LOSS, FaultKind.FLAP_NIC,
+                 FaultKind.PARTITION_NODE}
+
+
+@dataclass(frozen=True)
+class RankLocation:
+    node_id: str
+    pid: int
+    alive: bool
+    dead_since: float | None = None
+
+
+def rank_locations(session: Session, job_id: str) -> dict[int, RankLocation]:
+    """Where each rank of ``job_id`` runs, from the newest heartbeats (live processes preferred)."""
+    out: dict[int, RankLocation] = {}
+    for node in session.scalars(select(Node).where(Node.state != NodeState.DEAD.value)).all():
+        for r in node.ranks or []:
+            if r.get("job_id") != job_id:
+                continue
+            loc = RankLocation(node.id, int(r.get("pid", 0)), bool(r.get("alive", True)), r.get("dead_since"))
+            cur = out.get(int(r["rank"]))
+            if cur is None or (loc.alive and not cur.alive):
+                out[int(r["rank"])] = loc
+    return out
+
+
+def create_fault(session: Session, job: Job, body: FaultCreate) -> Fault:
+    if JobStatus(job.status).is_terminal():
+        raise ValueError(f"job {job.id} already ended as {job.status}")
+    f = Fault(job_id=job.id, kind=body.kind.value, rank=body.rank, node_id=body.node_id, step=body.step,
+              params=dict(body.params), status=FaultStatus.PENDING.value)
+    session.add(f)
+    session.flush()
+    record_event(session, "fault_created", f"{body.kind.value} at step {body.step}"
+                 + (f" on rank {body.rank}" if body.rank is not None else "")
+                 + (f" on node {body.node_id}" if body.node_id else ""), job_id=job.id, data={"fault_id": f.id})
+    return f
+
+
+def to_public(f: Fault) -> FaultPublic:
+    return FaultPublic(id=f.id, job_id=f.job_id, kind=FaultKind(f.kind), rank=f.rank, node_id=f.node_id, step=f.step,
+                       params=f.params, status=FaultStatus(f.status), message=f.message, created_at=f.created_at,
+                       fired_at=f.fired_at, cleared_at=f.cleared_at)
+
+
+def fire_due(session: Session) -> int:
+    """Fire every pending fault whose job has reached its step. Returns how many fired."""
+    fired = 0
+    rows = session.scalars(select(Fault).where(Fault.status == FaultStatus.PENDING.value).order_by(Fault.id)).all()
+    for f in rows:
+        job = session.get(Job, f.job_id)
+        if job is None or JobStatus(job.status).is_terminal():
+            _finish(session, f, FaultStatus.CLEARED, "job ended before the fault fired")
+            continue
+        kind = FaultKind(f.kind)
+        # nan_loss is armed at once: the rank itself fires it at the step (the file says which).
+        if kind != FaultKind.NAN_LOSS and (job.last_step is None or job.last_step < f.step):
+            continue
+        if _fire(session, job, f, kind):
+            fired += 1
+    return fired
+
+
+def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
+    locs = rank_locations(session, job.id)
+    node_id = f.node_id
+    loc = locs.get(f.rank) if f.rank is not None else None
+    if f.rank is not None:
+        if loc is None or not loc.alive:
+            return False  # not placed yet (or restarting): try again next pass
+        node_id = node_id or loc.node_id
+    cmd: tuple[CommandKind, dict] | None = None
+    if kind == FaultKind.KILL_RANK:
+        cmd = (CommandKind.KILL_PID, {"pid": loc.pid, "signal": 9})  # type: ignore[union-attr]
+    elif kind == FaultKind.HANG_RANK:
+        cmd = (CommandKind.STOP_PID, {"pid": loc.pid})  # type: ignore[union-attr]
+    elif kind == FaultKind.SLOW_RANK:
+        factor = float(f.params.get("factor", 3.0))
+        cmd = (CommandKind.THROTTLE_PID, {"pid": loc.pid, "factor": factor,  # type: ignore[union-attr]
+                                          "period_s": float(f.params.get("period_s", 0.1))})
+    elif kind == FaultKind.NAN_LOSS:
+        cmd = (CommandKind.WRITE_FAULT_FILE, {"job_id": job.id, "rank": f.rank,
+                                              "fault": {"kind": "nan_loss", "step": f.step, "fault_id": f.id}})
+    elif kind == FaultKind.KILL_NODE:
+        cmd = (CommandKind.KILL_NODE, {})
+    elif kind == FaultKind.CORRUPT_CHECKPOINT:
+        ck = newest_valid(session, job.id)
+        if ck is None:
+            return False  # wait for a checkpoint to exist
+        node_id = node_id or (locs[0].node_id if 0 in locs else _any_alive_node(session))
+        cmd = (CommandKind.CORRUPT_FILES, {"path": ck.path, "step": ck.step})
+    elif kind in NETWORK_KINDS:
+        node_id = node_id or (loc.node_id if loc else None)
+        cmd = (CommandKind.SHAPE_NIC, {"kind": kind.value, **f.params})
+    if cmd is None or node_id is None:
+        _finish(session, f, FaultStatus.FAILED, "no target node")
+        return False
+    commands.enqueue(session, node_id, cmd[0], cmd[1], job_id=job.id, fault_id=f.id)
+    f.node_id = node_id
+    f.status = FaultStatus.FIRED.value
+    f.fired_at = datetime.now(UTC)
+    f.message = f"{cmd[0].value} sent to {node_id}" + (f" (step {job.last_step})" if job.last_step is not None else "")
+    record_event(session, "fault_fired", f"{kind.value}: {f.message}", job_id=job.id, node_id=node_id,
+                 data={"fault_id": f.id, "step": job.last_step})
+    return True
+
+
+def _any_alive_node(session: Session) -> str | None:
+    return session.scalar(select(Node.id).where(Node.state == NodeState.ALIVE.value).limit(1))
+
+
+UNDO = {FaultKind.HANG_RANK: CommandKind.CONT_PID, FaultKind.SLOW_RANK: CommandKind.UNTHROTTLE_PID}
+
+
+def clear_fault(session: Session, f: Fault, why: str = "cleared") -> None:
+    """Undo a fired fault where it can be undone (a stopped rank continues, a throttle ends)."""
+    kind = FaultKind(f.kind)
+    if f.status == FaultStatus.FIRED.value and f.node_id:
+        if kind in UNDO and f.rank is not None:
+            loc = rank_locations(session, f.job_id).get(f.rank)
+            if loc is not None:
+                commands.enqueue(session, f.node_id, UNDO[kind], {"pid": loc.pid}, job_id=f.job_id, fault_id=f.id)
+        elif kind in NETWORK_KINDS:
+            commands.enqueue(session, f.node_id, CommandKind.SHAPE_NIC, {"kind": "clear"}, job_id=f.job_id,
+                             fault_id=f.id)
+    _finish(session, f, FaultStatus.CLEARED, why)
+
+
+def clear_for_ended_jobs(session: Session) -> None:
+    rows = session.scalars(
+        select(Fault).join(Job, Job.id == Fault.job_id)
+        .where(Fault.status.in_([FaultStatus.FIRED.value, FaultStatus.PENDING.value]),
+               Job.status.in_([s.value for s in JobStatus if s.is_terminal()]))
+    ).all()
+    for f in rows:
+        needs_undo = FaultKind(f.kind) in UNDO or FaultKind(f.kind) in NETWORK_KINDS
+        if f.status == FaultStatus.PENDING.value or needs_undo:
+            clear_fault(session, f, "job ended")
+
+
+def _finish(session: Session, f: Fault, status: FaultStatus, message: str) -> None:
+    f.status = status.value
+    f.cleared_at = datetime.now(UTC)
+    f.message = message if not f.message else f"{f.message}; {message}"
+    record_event(session, "fault_" + status.value.lower(), f"{f.kind}: {message}", job_id=f.job_id,
+                 node_id=f.node_id, data={"fault_id": f.id})

@@ -1,0 +1,94 @@
+"""Process settings for every Vigil process (env prefix ``VIGIL_``).
+
+One settings object per process, obtained through :func:`get_settings`; never built at import
+time, so tests can set the environment first and call ``get_settings.cache_clear()``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from controller.schemas import slugify
+
+
+class Settings(BaseSettings):
+    """Settings shared by the controller, the CLI and the agents."""
+
+    model_config = SettingsConfigDict(env_prefix="VIGIL_", extra="ignore")
+
+    home: Path = Field(Path(".vigil"), description="Working folder for the database, logs and runtime files.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL; default sqlite:///<home>/vigil.db. postgresql+psycopg://... for PostgreSQL."
+    )
+    host: str = Field("127.0.0.1", description="Address the controller binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the controller binds.")
+    controller_url: str = Field("http://127.0.0.1:8000", description="Where clients and agents reach the controller.")
+    ray_address: str | None = Field(
+        None, description="Ray dashboard address for job submission, e.g. http://127.0.0.1:8265; None: jobs are not launched."
+    )
+    ray_gcs_address: str | None = Field(
+        None, description="Ray GCS address (host:port) for node draining (eviction); None: no eviction through Ray."
+    )
+    launch_retry_s: float = Field(
+        300.0, ge=0, description="How long a PENDING job keeps retrying a launch Ray refuses (its agent may be starting)."
+    )
+    monitor_interval_s: float = Field(1.0, gt=0, description="How often the detectors and recovery run.")
+    run_dir: Path = Field(Path("/tmp/vigil"), description="Node-local folder for agent sockets.")
+    supervisor_interval_s: float = Field(1.0, gt=0, description="How often the controller polls Ray for job status.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body the API accepts.")
+    auth_enabled: bool = Field(
+        True, description="Every route but /healthz needs a bearer token; false only on a machine you trust alone."
+    )
+    metrics_open: bool = Field(
+        False, description="Serve /metrics without a token (for a Prometheus that scrapes over loopback)."
+    )
+    dashboard_token: str | None = Field(
+        None, repr=False, description="Token of the mounted dashboard; default: a viewer token minted per process."
+    )
+    token: str | None = Field(
+        None, repr=False, description="Bearer token the CLI sends (VIGIL_TOKEN); default: the one in <home>/admin-token."
+    )
+    raw_retention_s: float = Field(
+        3600.0, gt=0, description="Seconds raw step and collective samples are kept (aggregates are kept for good)."
+    )
+    aggregate_settle_s: float = Field(
+        2.0, ge=0, description="A step is aggregated once no new sample of it arrived for this long."
+    )
+    telemetry_interval_s: float = Field(1.0, gt=0, description="Period of the telemetry aggregation pass.")
+    raw_prune_interval_s: float = Field(30.0, gt=0, description="Period of the pruning of raw samples.")
+    metrics_max_jobs: int = Field(20, ge=1, le=1000, description="Active jobs exported on /metrics (newest first).")
+    metrics_max_ranks: int = Field(
+        32, ge=1, le=4096, description="Ranks exported per job on /metrics: the slowest ones of the latest step."
+    )
+
+    def resolved_database_url(self) -> str:
+        """The database URL, defaulting to SQLite under :attr:`home`."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'vigil.db').resolve()}"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process's settings, read from the environment once."""
+    return Settings()
+
+
+def admin_token_path(home: Path) -> Path:
+    """Where ``vigil up`` keeps the first admin token (mode 0600), and where the CLI looks for it."""
+    return Path(home) / "admin-token"
+
+
+def agent_socket_path(run_dir: Path, node_id: str) -> Path:
+    """Path of the unix datagram socket where the agent of ``node_id`` listens for rank samples."""
+    return Path(run_dir) / "agents" / f"{node_id}.sock"
+
+
+def fault_file_path(run_dir: Path, job_id: str, rank: int) -> Path:
+    """The one-shot fault file of ``rank`` of ``job_id`` on its node: written by the agent
+    (``write_fault_file``), read by the rank once per step (docs/RECOVERY.md)."""
+    return Path(run_dir) / "faults" / slugify(job_id) / f"rank-{int(rank)}.json"

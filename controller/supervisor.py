@@ -1,0 +1,107 @@
+"""The job supervisor: launches PENDING jobs and follows their status in the engine.
+
+``step()`` does one pass over the active jobs, so tests drive it one iteration at a time; the
+controller runs it in a background thread every ``interval`` seconds (and at once when woken).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from controller.db import session_scope
+from controller.jobs import active_jobs, record_event, transition
+from controller.launcher import JobLauncher, LaunchError
+from controller.models import Job
+from controller.schemas import JobCreate, JobStatus, Role, TokenCreate
+from controller.tokens import create_token, revoke_job_tokens
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    def __init__(
+        self, sessions: sessionmaker[Session], launcher: JobLauncher | None, job_env: dict[str, str],
+        interval: float = 1.0,
+        launch_retry_s: float = 60.0,
+    ) -> None:
+        self.sessions = sessions
+        self.launcher = launcher
+        self.job_env = job_env
+        self.interval = interval
+        self.launch_retry_s = launch_retry_s
+        self._launch_failures: dict[str, float] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one iteration --------------------------------------------------------------------------
+    def step(self) -> None:
+        if self.launcher is None:
+            return
+        with session_scope(self.sessions) as session:
+            for job in active_jobs(session):
+                try:
+                    self._advance(session, job)
+                except LaunchError as exc:
+                    log.warning("job %s: %s", job.id, exc)
+
+    def _advance(self, session: Session, job: Job) -> None:
+        assert self.launcher is not None
+        if job.ray_job_id is None:
+            spec = JobCreate.model_validate(job.spec)
+            # The driver's own token: it may read its job (and, later, post its job's records) and
+            # nothing else; transition() revokes it when the job ends.
+            issued = create_token(session, TokenCreate(role=Role.JOB, job_id=job.id, name=f"driver of {job.id}"))
+            try:
+                job.ray_job_id = self.launcher.submit(job.id, spec, {**self.job_env, "VIGIL_TOKEN": issued.token})
+            except LaunchError as exc:
+                revoke_job_tokens(session, job.id)
+                # Ray's job API refuses for a while after a cluster starts ("No available agent to
+                # submit job, please try again later"): retry until launch_retry_s has passed.
+                first = self._launch_failures.setdefault(job.id, time.monotonic())
+                if time.monotonic() - first < self.launch_retry_s:
+                    log.info("job %s: launch failed, retrying: %s", job.id, exc)
+                    return
+                transition(session, job, JobStatus.FAILED, f"launch failed: {exc}")
+                return
+            self._launch_failures.pop(job.id, None)
+            record_event(session, "job_launched", f"submitted to Ray as {job.ray_job_id}", job_id=job.id)
+            return
+        st = self.launcher.status(job.ray_job_id)
+        current = JobStatus(job.status)
+        if st.status == current:
+            return
+        if current == JobStatus.PENDING and st.status.is_terminal() and st.status != JobStatus.CANCELLED:
+            # A job can finish between two polls: pass through RUNNING so the life cycle stays legal.
+            transition(session, job, JobStatus.RUNNING)
+        transition(session, job, st.status, st.message if st.status == JobStatus.FAILED else None)
+
+    # -- background thread ----------------------------------------------------------------------
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="vigil-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # keep supervising; a bad pass must not kill the thread
+                log.exception("supervisor step failed")
+            self._wake.wait(self.interval)
+            self._wake.clear()
