@@ -1,0 +1,527 @@
+"""``vigil agent``: the per-node daemon, wired together.
+
+The receiver thread takes rank datagrams off the node's socket, the collector thread samples
+host / NIC / GPU metrics, the command thread polls the controller for commands and carries them
+out (:mod:`agent.commands`), and the calling thread runs the shipper loop (batches, heartbeats,
+spool). Stopping (``stop_event`` or SIGTERM/SIGINT) closes the socket, takes in what ranks had
+already sent, makes a final flush, and leaves whatever the controller could not take in the
+spool for the next run. After a ``kill_node`` command the agent stops without a final flush or
+heartbeat: its node is lost.
+
+This module must never import torch, ray or the trainer: agents run on nodes that need neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agent import netfaults
+from agent.collectors import Collector, CollectorLoop, GpuCollector, HostCollector, NicCollector
+from agent.commands import (
+    ClientCommandTransport,
+    CommandExecutor,
+    CommandLoop,
+    CommandRunner,
+    CommandTransport,
+    ExecutorConfig,
+)
+from agent.receiver import Receiver, SampleBuffer, SocketInUseError
+from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
+from agent.spool import Spool, SpoolLockedError
+from controller.client import VigilClient
+from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat
+from controller.settings import agent_socket_path, get_settings
+
+log = logging.getLogger(__name__)
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+TOKEN_ENV = "VIGIL_AGENT_TOKEN"
+"""Checked first: an agent-specific token wins over a general ``VIGIL_TOKEN`` in the same environment."""
+TOKEN_ENVS = (TOKEN_ENV, "VIGIL_TOKEN")
+STORAGE_ENV = "VIGIL_STORAGE_PATH"
+"""Where Ray Train keeps checkpoints (the trainer reads the same variable)."""
+DEFAULT_STORAGE = "~/.vigil-storage"
+
+
+def default_storage_root() -> Path:
+    return Path(os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE).expanduser()
+
+
+class AgentConfig(BaseModel):
+    """Everything one agent needs; validated on construction (bad values raise ``ValidationError``).
+
+    Paths left unset are derived from ``run_dir`` (default: ``VIGIL_RUN_DIR`` / settings).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str = Field(
+        ..., min_length=1, max_length=NAME_MAX, description="Node this agent watches (Ray node id)."
+    )
+    agent_id: str = Field(
+        "", max_length=NAME_MAX, description='Batch numbering identity; default f"{hostname}-{node_id}".'
+    )
+    hostname: str = Field(default_factory=socket.gethostname, description="Reported in heartbeats.")
+    address: str = Field(
+        "",
+        max_length=NAME_MAX,
+        description="Reported in heartbeats; default: local address of the route to the controller.",
+    )
+    controller_url: str = Field(
+        default_factory=lambda: get_settings().controller_url, description="Base URL of the controller."
+    )
+    token: str = Field(
+        ..., min_length=1, repr=False, description="Bearer token with the agent role (required)."
+    )
+    run_dir: Path = Field(
+        default_factory=lambda: get_settings().run_dir, description="Node-local runtime folder."
+    )
+    socket_path: Path | None = Field(
+        None, description="Rank datagram socket; default agent_socket_path(run_dir, node_id)."
+    )
+    spool_dir: Path | None = Field(None, description="Disk spool; default <run_dir>/spool/<node_id>.")
+    spool_max_bytes: int = Field(
+        256 << 20, ge=4096, description="Bound of the spool; oldest batches dropped beyond."
+    )
+    flush_interval_s: float = Field(
+        0.5, gt=0, le=60, description="Longest a sample waits before its batch leaves."
+    )
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, le=3600, description="Heartbeat period (also metric sampling)."
+    )
+    max_batch_items: int = Field(2000, ge=1, le=MAX_TELEMETRY_ITEMS, description="Most samples per batch.")
+    max_buffered_samples: int = Field(
+        200_000,
+        ge=1,
+        description="Samples held in memory between socket and shipper; beyond: dropped, counted.",
+    )
+    http_timeout_s: float = Field(5.0, gt=0, le=300, description="Timeout of one post to the controller.")
+    backoff_initial_s: float = Field(0.2, gt=0, description="First retry wait after a failed post.")
+    backoff_max_s: float = Field(10.0, gt=0, description="Longest retry wait.")
+    disk_paths: list[Path] = Field(
+        default_factory=lambda: [Path("/")], description="Filesystems whose usage is reported."
+    )
+    commands: bool = Field(
+        True, description="Poll the controller for commands (kill, stop, py-spy, ...) and carry them out."
+    )
+    storage_root: Path = Field(
+        default_factory=default_storage_root,
+        description=f"corrupt_files only touches files under this folder (default ${STORAGE_ENV} or "
+        f"{DEFAULT_STORAGE}); resolved once here.",
+    )
+    raylet_pid: int | None = Field(
+        None, ge=2, description="This node's raylet, when it cannot be found by its --node-name / --node_id."
+    )
+    ray_start_pid: int | None = Field(
+        None, ge=2, description="The `ray start --block` process of this node (killed with its session)."
+    )
+    ray_join_cmd: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="argv (no shell) that starts this node's raylet again (start_raylet, readmission).",
+    )
+    pyspy_timeout_s: float = Field(10.0, gt=0, le=300, description="Longest one py-spy dump may take.")
+    raylet_stop_grace_s: float = Field(
+        5.0, ge=0, le=300, description="stop_raylet: seconds between SIGTERM and SIGKILL."
+    )
+    raylet_start_wait_s: float = Field(
+        60.0, gt=0, le=3600, description="start_raylet: how long to wait for the raylet to appear."
+    )
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id_is_a_file_name(cls, v: str) -> str:
+        # It names the socket and the spool folder.
+        if not _SAFE_ID.match(v):
+            raise ValueError(
+                "node_id may only hold letters, digits, '.', '_' and '-' (not starting with them)"
+            )
+        return v
+
+    @field_validator("controller_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        u = urlparse(v)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"controller_url must be an http(s) URL, got {v!r}")
+        return v
+
+    @field_validator("storage_root")
+    @classmethod
+    def _resolved(cls, v: Path) -> Path:
+        return Path(v).expanduser().resolve()
+
+    @field_validator("ray_join_cmd")
+    @classmethod
+    def _argv(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v[0] or any("\x00" in a for a in v)):
+            raise ValueError("ray_join_cmd: argv[0] must name a program and no argument may hold NUL")
+        return v
+
+    @model_validator(mode="after")
+    def _derive_defaults(self) -> AgentConfig:
+        if not self.agent_id:
+            # The whole node id: ingest is idempotent on (agent_id, seq), so two agents must never share
+            # an id (node names such as vigil-node-1 / vigil-node-2 share their first 8 characters).
+            self.agent_id = f"{self.hostname}-{self.node_id}"[-NAME_MAX:]
+        if self.socket_path is None:
+            self.socket_path = agent_socket_path(self.run_dir, self.node_id)
+        if self.spool_dir is None:
+            self.spool_dir = Path(self.run_dir) / "spool" / self.node_id
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError("backoff_initial_s must be <= backoff_max_s")
+        return self
+
+
+def local_address_towards(url: str) -> str:
+    """The local IP address this host uses to reach ``url`` (no packet is sent)."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return ""
+
+
+class Agent:
+    """The agent's parts, built from a config. ``start``/``step``/``stop`` for tests and run_agent."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        transport: Transport | None = None,
+        collectors: Sequence[Collector] | None = None,
+        command_transport: CommandTransport | None = None,
+    ) -> None:
+        """``transport`` / ``command_transport``: fakes for tests. Commands are polled with a
+        client of their own when neither transport is given (production), or through
+        ``command_transport``; a test that fakes only the telemetry transport gets no commands."""
+        assert config.socket_path is not None and config.spool_dir is not None
+        self.config = config
+        #: Set by a kill_node command: stop at once, no final flush (no last heartbeat).
+        self.node_lost = threading.Event()
+        self.address = config.address or local_address_towards(config.controller_url)
+        self.buffer = SampleBuffer(capacity=config.max_buffered_samples, wake_at=config.max_batch_items)
+        self.receiver = Receiver(config.socket_path, self.buffer)
+        # The spool first: it refuses a folder another agent holds, before anything else is opened.
+        self.spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
+        self._client: VigilClient | None = None
+        self._command_client: VigilClient | None = None
+        self.commands: CommandRunner | None = None
+        self._command_loop: CommandLoop | None = None
+        if config.commands and (command_transport is not None or transport is None):
+            if command_transport is None:
+                # Its own connection: a slow poll never waits behind a telemetry post, or the reverse.
+                self._command_client = VigilClient(
+                    config.controller_url, token=config.token, timeout=config.http_timeout_s
+                )
+                command_transport = ClientCommandTransport(self._command_client, config.node_id)
+            executor = CommandExecutor(
+                ExecutorConfig(
+                    node_id=config.node_id,
+                    run_dir=Path(config.run_dir),
+                    storage_root=config.storage_root,
+                    raylet_pid=config.raylet_pid,
+                    ray_start_pid=config.ray_start_pid,
+                    ray_join_cmd=config.ray_join_cmd,
+                    pyspy_timeout_s=config.pyspy_timeout_s,
+                    raylet_stop_grace_s=config.raylet_stop_grace_s,
+                    raylet_start_wait_s=config.raylet_start_wait_s,
+                ),
+                rank_pids=self.receiver.ranks.pids,
+            )
+            self.commands = CommandRunner(
+                config.node_id, command_transport, executor, on_node_lost=self._lost
+            )
+            self._command_loop = CommandLoop(self.commands, interval_s=config.heartbeat_interval_s)
+        if transport is None:
+            self._client = VigilClient(
+                config.controller_url, token=config.token, timeout=config.http_timeout_s
+            )
+            transport = ClientTransport(self._client)
+        if collectors is None:
+            collectors = [
+                HostCollector(disk_paths=[*config.disk_paths, config.spool_dir.parent]),
+                NicCollector(),
+                GpuCollector(),
+                *netfaults.node_collectors(),  # a --netns node's shaped link (rate, queues), from tc
+            ]
+        self.collectors = CollectorLoop(collectors, interval_s=config.heartbeat_interval_s)
+        self.shipper = Shipper(
+            ShipperConfig(
+                agent_id=config.agent_id,
+                node_id=config.node_id,
+                max_batch_items=config.max_batch_items,
+                flush_interval_s=config.flush_interval_s,
+                heartbeat_interval_s=config.heartbeat_interval_s,
+                backoff_initial_s=config.backoff_initial_s,
+                backoff_max_s=config.backoff_max_s,
+            ),
+            buffer=self.buffer,
+            spool=self.spool,
+            transport=transport,
+            heartbeat=self.heartbeat,
+        )
+
+    def _lost(self) -> None:
+        self.node_lost.set()
+        self.buffer.wake.set()  # wake the shipper loop so it sees the loss now
+
+    def heartbeat(self, ts: float, dropped_samples: int) -> Heartbeat:
+        """The heartbeat: identity, rank processes, the latest node metrics, the agent's counters.
+
+        ``host`` holds ``collected_at`` (unix time of the metrics), ``system`` (cpu, memory, disk,
+        load), ``nics`` (``interfaces`` -> counters, rates, operstate, speed_mbps, ...), ``gpus``
+        (``devices`` or ``available: false`` with a ``reason``) and ``agent`` (the counters of
+        :meth:`agent_stats`). Metrics are absent until the collector thread's first pass.
+        """
+        host: dict[str, Any] = self.collectors.snapshot()
+        if "ts" in host:
+            host["collected_at"] = host.pop("ts")
+        host["agent"] = self.agent_stats()
+        return Heartbeat(
+            ts=ts,
+            hostname=self.config.hostname[:NAME_MAX],
+            address=self.address[:NAME_MAX],
+            ranks=self.receiver.ranks.processes(),
+            host=host,
+            dropped_samples=dropped_samples,
+        )
+
+    def agent_stats(self) -> dict[str, int]:
+        r, s = self.receiver.stats, self.shipper.stats
+        return {
+            "datagrams": r.datagrams,
+            "invalid_datagrams": r.invalid_datagrams,
+            "invalid_samples": r.invalid_samples,
+            "received_samples": r.samples,
+            "buffered_samples": len(self.buffer),
+            "buffer_overflow": self.buffer.overflow,
+            "sent_batches": s.sent_batches,
+            "duplicate_batches": s.duplicate_batches,
+            "rejected_batches": s.rejected_batches,
+            "rejected_samples": s.rejected_samples,
+            "failed_posts": s.failed_posts,
+            "spooled_batches": len(self.spool),
+            "spool_bytes": self.spool.size_bytes,
+            "spool_dropped_batches": self.spool.dropped_batches,
+            "spool_dropped_samples": self.spool.dropped_samples,
+            **self.command_stats(),
+        }
+
+    def command_stats(self) -> dict[str, int]:
+        if self.commands is None:
+            return {}
+        c = self.commands.stats
+        return {
+            "commands_executed": c.executed,
+            "commands_failed": c.failed_commands,
+            "command_polls_failed": c.failed_polls,
+            "command_results_unposted": self.commands.unposted,
+        }
+
+    def start(self) -> None:
+        """Bind the socket and start the threads; on failure (socket in use, ...) close and raise."""
+        try:
+            self.receiver.start()
+        except BaseException:
+            self.close()
+            raise
+        self.collectors.start()
+        if self._command_loop is not None:
+            self._command_loop.start()
+        log.info(
+            "agent %s (node %s) shipping to %s; spool %s",
+            self.config.agent_id,
+            self.config.node_id,
+            self.config.controller_url,
+            self.config.spool_dir,
+        )
+
+    def step(self) -> float:
+        return self.shipper.step()
+
+    def stop(self) -> None:
+        """Stop listening, final flush, close. Leftover batches stay in the spool.
+
+        Throttled processes are left running. After kill_node there is no final flush: a lost
+        node sends nothing more (samples still in memory are lost with it, like on a crash).
+        """
+        try:
+            if self._command_loop is not None:
+                self._command_loop.stop()
+            self.receiver.stop()
+            self.collectors.stop()
+            if not self.node_lost.is_set():
+                self.shipper.flush()
+        finally:
+            self.close()
+        log.info("agent %s stopped (next batch number %d)", self.config.agent_id, self.spool.next_seq)
+
+    def close(self) -> None:
+        """Release the spool lock and the HTTP client (no flush)."""
+        self.spool.close()
+        for client in (self._client, self._command_client):
+            if client is not None:
+                client.close()
+
+
+def run_agent(
+    config: AgentConfig,
+    stop_event: threading.Event,
+    *,
+    transport: Transport | None = None,
+    command_transport: CommandTransport | None = None,
+) -> bool:
+    """Run the agent until ``stop_event`` is set (or SIGTERM/SIGINT when called on the main
+    thread), or its node is killed by a kill_node command. Returns True in that last case."""
+    agent = Agent(config, transport=transport, command_transport=command_transport)
+    wake = agent.buffer.wake  # set by a full buffer, and by the signal handler
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("received %s, stopping", signal.Signals(signum).name)
+            stop_event.set()
+            wake.set()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, on_signal)
+    try:
+        agent.start()
+    except BaseException:
+        for num, handler in previous.items():
+            signal.signal(num, handler)
+        raise
+    try:
+        while not stop_event.is_set() and not agent.node_lost.is_set():
+            wait = agent.step()
+            # Wake early for a full batch; never sleep past a flush so an external stop_event is
+            # seen within one flush interval.
+            wake.wait(min(wait, config.flush_interval_s))
+    finally:
+        agent.stop()
+        for num, handler in previous.items():
+            signal.signal(num, handler)
+    return agent.node_lost.is_set()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vigil agent", description="Per-node Vigil agent: rank telemetry, node metrics, heartbeats."
+    )
+    p.add_argument("--node-id", required=True, help="Node this agent watches (Ray node id).")
+    p.add_argument("--agent-id", help="Agent identity for batch numbering (default: HOSTNAME-NODEID).")
+    p.add_argument(
+        "--controller", dest="controller_url", help="Controller URL (default: VIGIL_CONTROLLER_URL)."
+    )
+    p.add_argument(
+        "--token",
+        default=next((os.environ[n] for n in TOKEN_ENVS if os.environ.get(n)), None),
+        help="Agent bearer token (default: $VIGIL_AGENT_TOKEN, else $VIGIL_TOKEN; the environment keeps it out of `ps`).",
+    )
+    p.add_argument("--run-dir", type=Path, help="Node-local runtime folder (default: VIGIL_RUN_DIR).")
+    p.add_argument("--socket", dest="socket_path", type=Path, help="Rank datagram socket path.")
+    p.add_argument("--spool-dir", type=Path, help="Disk spool folder.")
+    p.add_argument("--spool-max-bytes", type=int, help="Spool bound in bytes (default 256 MiB).")
+    p.add_argument("--flush-interval", dest="flush_interval_s", type=float, help="Seconds (default 0.5).")
+    p.add_argument(
+        "--heartbeat-interval", dest="heartbeat_interval_s", type=float, help="Seconds (default 1)."
+    )
+    p.add_argument(
+        "--max-batch-items", type=int, help=f"Samples per batch (default 2000, max {MAX_TELEMETRY_ITEMS})."
+    )
+    p.add_argument("--address", help="Address to report in heartbeats (default: route to the controller).")
+    p.add_argument(
+        "--no-commands",
+        dest="commands",
+        action="store_const",
+        const=False,
+        help="Do not poll for commands (no kill / stop / py-spy / fault injection on this node).",
+    )
+    p.add_argument(
+        "--storage-root",
+        type=Path,
+        help=f"Checkpoint storage; corrupt_files only writes under it (default ${STORAGE_ENV} or {DEFAULT_STORAGE}).",
+    )
+    p.add_argument(
+        "--raylet-pid", type=int, help="This node's raylet pid (default: found by its --node-name)."
+    )
+    p.add_argument(
+        "--ray-start-pid", type=int, help="This node's `ray start --block` pid (killed with its session)."
+    )
+    p.add_argument(
+        "--ray-join-cmd",
+        type=_json_argv,
+        help='argv as a JSON list (no shell) that starts this node\'s raylet again, e.g. \'["ray", "start", ...]\'.',
+    )
+    p.add_argument(
+        "--pyspy-timeout", dest="pyspy_timeout_s", type=float, help="Seconds per py-spy dump (default 10)."
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _json_argv(text: str) -> list[str]:
+    try:
+        argv = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise argparse.ArgumentTypeError("must be a non-empty JSON list of strings")
+    return argv
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    fields = {k: v for k, v in vars(args).items() if k != "log_level" and v is not None}
+    return AgentConfig(**fields)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``vigil agent`` (and ``python -m agent``). Returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.token:
+        print(
+            "vigil agent: no token: set VIGIL_TOKEN (or pass --token) to a token with the agent role",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = config_from_args(args)
+    except ValidationError as exc:
+        parser.error(str(exc))
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:
+        logging.getLogger("agent").setLevel(args.log_level)
+    started = time.monotonic()
+    try:
+        lost = run_agent(config, threading.Event())
+    except (SocketInUseError, SpoolLockedError, FileExistsError, PermissionError) as exc:
+        log.error("agent cannot start: %s", exc)
+        return 1
+    log.info("agent ran %.1fs%s", time.monotonic() - started, "; its node was killed" if lost else "")
+    return 0

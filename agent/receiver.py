@@ -1,0 +1,415 @@
+"""Receives rank telemetry on the node's unix datagram socket.
+
+Ranks send each datagram as a UTF-8 JSON array of sample objects (``"kind": "step"`` or
+``"collective"``, see :mod:`controller.schemas`). The receiver validates them, puts the valid
+samples in a bounded :class:`SampleBuffer` that the shipper drains, and remembers which process
+each rank runs in so the heartbeat can report live rank processes.
+
+A bad datagram is counted and logged; it never stops the receiver. Datagrams keep their order
+(a unix datagram socket is reliable and ordered), so samples reach the buffer in the order each
+rank sent them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from pydantic import TypeAdapter, ValidationError
+
+from controller.schemas import CheckpointSample, CollectiveSample, RankProcess, RankSample, StepSample
+
+log = logging.getLogger(__name__)
+
+Sample = StepSample | CollectiveSample | CheckpointSample
+
+_LIST_ADAPTER: TypeAdapter[list[Sample]] = TypeAdapter(list[RankSample])
+_ITEM_ADAPTER: TypeAdapter[Sample] = TypeAdapter(RankSample)
+
+#: Receive buffer per datagram. Ranks keep datagrams under ~60 KB; anything longer than this is
+#: truncated by the kernel, fails to parse and is counted as invalid.
+MAX_DATAGRAM_BYTES = 1 << 20
+#: Kernel receive queue we ask for, so bursts of datagrams wait in the socket, not in the ranks.
+SOCKET_RCVBUF_BYTES = 4 << 20
+#: Most rank processes remembered (``Heartbeat.ranks`` holds at most 4096).
+MAX_TRACKED_RANKS = 4096
+
+
+class SocketInUseError(RuntimeError):
+    """Another live process already listens on the agent socket."""
+
+
+class SampleBuffer:
+    """Thread-safe FIFO of validated samples between the receiver and the shipper, bounded.
+
+    When full, incoming samples are dropped (and counted in :attr:`overflow`) rather than queued
+    without bound; the samples already buffered keep their order.
+    """
+
+    def __init__(self, capacity: int = 200_000, wake_at: int | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.overflow = 0
+        #: Set when the buffer holds at least ``wake_at`` samples (a full batch is ready).
+        self.wake = threading.Event()
+        self._wake_at = wake_at if wake_at is not None else capacity
+        self._items: deque[Sample] = deque()
+        self._lock = threading.Lock()
+
+    def put_many(self, samples: Iterable[Sample]) -> int:
+        """Append samples; return how many were kept (the rest are counted as overflow)."""
+        kept = 0
+        with self._lock:
+            for s in samples:
+                if len(self._items) >= self.capacity:
+                    self.overflow += 1
+                    continue
+                self._items.append(s)
+                kept += 1
+            if len(self._items) >= self._wake_at:
+                self.wake.set()
+        return kept
+
+    def take(self, max_items: int) -> list[Sample]:
+        """Remove and return up to ``max_items`` of the oldest samples."""
+        with self._lock:
+            n = min(max_items, len(self._items))
+            out = [self._items.popleft() for _ in range(n)]
+            if len(self._items) < self._wake_at:
+                self.wake.clear()
+            return out
+
+    def put_front(self, samples: list[Sample]) -> None:
+        """Give samples taken by :meth:`take` back, ahead of everything else (order kept)."""
+        with self._lock:
+            self._items.extendleft(reversed(samples))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+def process_alive(pid: int) -> bool:
+    """True when ``pid`` is a live process: a zombie (or missing pid) is dead, a stopped one
+    (state T: a hung or throttled rank) is alive - a hang is not a death."""
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        # AccessDenied cannot happen for status() on Linux; be safe and fall back on existence.
+        return psutil.pid_exists(pid) if pid > 0 else False
+
+
+def process_start_time(pid: int) -> float | None:
+    """When ``pid`` started (unix time, as psutil computes it: stable for one process), or None."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.Error, ValueError, OSError):
+        return None
+
+
+#: Two readings of one process's start time agree to well within this (they are the same number);
+#: a different start time means the pid now names another process.
+_START_TIME_TOLERANCE_S = 0.05
+
+
+@dataclass
+class _RankSeen:
+    pid: int
+    last_seen: float  # tracker clock (monotonic)
+    last_seen_wall: float  # unix time: compared with process start times
+    started: float | None  # start time of the process when first seen: detects a reused pid
+    dead_since: float | None = None  # unix time this tracker first found the process gone
+
+
+class RankTracker:
+    """Which process runs each (job_id, rank), from the ``pid`` field of step samples.
+
+    ``start_time`` (default: psutil) is read once per new pid; when a rank's pid later names a
+    process with another start time, the rank's process is gone (its pid was reused) and the
+    rank is reported dead.
+    """
+
+    def __init__(
+        self,
+        is_alive: Callable[[int], bool] = process_alive,
+        clock: Callable[[], float] = time.monotonic,
+        forget_dead_after_s: float = 300.0,
+        capacity: int = MAX_TRACKED_RANKS,
+        start_time: Callable[[int], float | None] = process_start_time,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._is_alive = is_alive
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._start_time = start_time
+        self._forget_after = forget_dead_after_s
+        self._capacity = capacity
+        self._ranks: dict[tuple[str, int], _RankSeen] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, samples: Iterable[Sample]) -> None:
+        now, wall = self._clock(), self._wall_clock()
+        with self._lock:
+            known = {key: seen.pid for key, seen in self._ranks.items()}
+        started: dict[int, float | None] = {}
+        for s in samples:  # start times of new pids, read outside the lock
+            if not isinstance(s, StepSample) or s.pid is None or s.pid in started:
+                continue
+            if known.get((s.job_id, s.rank)) != s.pid:
+                started[s.pid] = self._start_time(s.pid)
+        with self._lock:
+            for s in samples:
+                if isinstance(s, StepSample) and s.pid is not None:
+                    key = (s.job_id, s.rank)
+                    # Re-insert so the dict stays ordered by last sight (oldest first).
+                    prev = self._ranks.pop(key, None)
+                    if prev is not None and prev.pid == s.pid:
+                        first = prev.started
+                    else:
+                        first = started.get(s.pid, None)
+                    self._ranks[key] = _RankSeen(s.pid, now, wall, first)
+            while len(self._ranks) > self._capacity:
+                self._ranks.pop(next(iter(self._ranks)))
+
+    def pids(self) -> dict[int, float]:
+        """Every tracked rank pid -> unix time of its latest sample (the agent's pid rule)."""
+        with self._lock:
+            out: dict[int, float] = {}
+            for seen in self._ranks.values():
+                out[seen.pid] = max(out.get(seen.pid, 0.0), seen.last_seen_wall)
+            return out
+
+    def _alive(self, seen: _RankSeen) -> bool:
+        if not self._is_alive(seen.pid):
+            return False
+        if seen.started is None:
+            return True
+        now_started = self._start_time(seen.pid)
+        return now_started is None or abs(now_started - seen.started) <= _START_TIME_TOLERANCE_S
+
+    def processes(self) -> list[RankProcess]:
+        """Every tracked rank with whether its process is alive now.
+
+        A dead rank stays in the report for ``forget_dead_after_s`` after its last sample (so the
+        controller sees the death), then is forgotten.
+        """
+        now = self._clock()
+        with self._lock:
+            items = list(self._ranks.items())
+        out: list[RankProcess] = []
+        forget: list[tuple[str, int]] = []
+        for (job_id, rank), seen in items:
+            alive = self._alive(seen)
+            if not alive and now - seen.last_seen > self._forget_after:
+                forget.append((job_id, rank))
+                continue
+            if not alive and seen.dead_since is None:
+                # When the death was first seen: when a worker group dies, the rank that died first
+                # is the culprit and the others were taken down after it.
+                seen.dead_since = self._wall_clock()
+            out.append(RankProcess(job_id=job_id, rank=rank, pid=seen.pid, alive=alive,
+                                   dead_since=None if alive else seen.dead_since))
+        if forget:
+            with self._lock:
+                for key in forget:
+                    latest = self._ranks.get(key)  # a new sample may have come in meanwhile
+                    if latest is not None and now - latest.last_seen > self._forget_after:
+                        del self._ranks[key]
+        return out
+
+
+@dataclass
+class ReceiverStats:
+    datagrams: int = 0
+    invalid_datagrams: int = 0
+    samples: int = 0
+    invalid_samples: int = 0
+
+
+def bind_datagram_socket(path: Path, mode: int = 0o660) -> socket.socket:
+    """Bind a unix datagram socket at ``path``: parents created, a stale socket file replaced.
+
+    Refuses (``SocketInUseError``) when a live process already listens there, and refuses to
+    remove anything at ``path`` that is not a socket. ``mode`` lets ranks of the same user (and
+    group) write to it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket; not removing it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise
+            log.info("removing stale agent socket %s", path)
+            path.unlink(missing_ok=True)
+        else:
+            raise SocketInUseError(f"another process already listens on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, mode)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_RCVBUF_BYTES)
+        except OSError:  # the kernel caps it at net.core.rmem_max; a smaller queue still works
+            pass
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Receiver:
+    """Reads rank datagrams from the agent socket into a :class:`SampleBuffer`.
+
+    ``step(timeout)`` handles at most one datagram (tests drive it directly); ``start()`` runs
+    it in a daemon thread until ``stop()``.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        buffer: SampleBuffer,
+        ranks: RankTracker | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        log_every_s: float = 10.0,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.buffer = buffer
+        self.ranks = ranks if ranks is not None else RankTracker()
+        self.stats = ReceiverStats()
+        self._clock = clock
+        self._log_every_s = log_every_s
+        self._last_log = float("-inf")
+        self._suppressed = 0
+        self._sock: socket.socket | None = None
+        self._buf = bytearray(MAX_DATAGRAM_BYTES)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- life cycle -------------------------------------------------------------------------------
+    def bind(self) -> None:
+        if self._sock is None:
+            self._sock = bind_datagram_socket(self.socket_path)
+            log.info("agent listening for rank telemetry on %s", self.socket_path)
+
+    def start(self) -> None:
+        self.bind()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="vigil-agent-receiver", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread, close the socket and remove the socket file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self._sock is not None:
+            # Take in what ranks sent before we stopped listening, so the final flush ships it
+            # (bounded: ranks that keep sending must not hold up the shutdown).
+            for _ in range(10_000):
+                if not self.step(timeout=0):
+                    break
+            self._sock.close()
+            self._sock = None
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step(timeout=0.2)
+            except Exception:  # never let one surprise kill the receiver thread
+                log.exception("receiver iteration failed")
+                time.sleep(0.1)
+
+    # -- one iteration ----------------------------------------------------------------------------
+    def step(self, timeout: float | None = 0.2) -> bool:
+        """Receive and handle at most one datagram; False when none arrived within ``timeout``."""
+        if self._sock is None:
+            raise RuntimeError("receiver is not bound")
+        self._sock.settimeout(timeout)
+        try:
+            n = self._sock.recv_into(self._buf)
+        except (TimeoutError, BlockingIOError):
+            return False
+        self.handle_datagram(bytes(self._buf[:n]))
+        return True
+
+    def handle_datagram(self, data: bytes) -> int:
+        """Validate one datagram, buffer its valid samples; return how many were buffered.
+
+        A datagram that is not a JSON array is invalid as a whole. In an array with some invalid
+        items the valid ones are kept (one bad sample should not cost its neighbours) and the
+        datagram is still counted as invalid.
+        """
+        self.stats.datagrams += 1
+        try:
+            samples = _LIST_ADAPTER.validate_json(data)
+        except ValidationError as exc:
+            samples = self._salvage(data, exc)
+        if samples:
+            self.ranks.observe(samples)
+            kept = self.buffer.put_many(samples)
+            self.stats.samples += kept
+            return kept
+        return 0
+
+    def _salvage(self, data: bytes, exc: ValidationError) -> list[Sample]:
+        self.stats.invalid_datagrams += 1
+        import json  # only on the error path
+
+        try:
+            items = json.loads(data)
+        except (UnicodeDecodeError, ValueError):
+            items = None
+        if not isinstance(items, list):
+            self._warn(f"invalid datagram ({len(data)} bytes): not a JSON array of samples")
+            return []
+        good: list[Sample] = []
+        for item in items:
+            try:
+                good.append(_ITEM_ADAPTER.validate_python(item))
+            except ValidationError:
+                self.stats.invalid_samples += 1
+        errors = exc.errors(include_url=False)
+        where, what = (errors[0]["loc"], errors[0]["msg"]) if errors else ((), "")
+        self._warn(
+            f"invalid datagram: {len(items) - len(good)} of {len(items)} samples rejected, "
+            f"first error at {where}: {what}"
+        )
+        return good
+
+    def _warn(self, message: str) -> None:
+        # Rate-limited: a misbehaving rank may send thousands per second.
+        now = self._clock()
+        if now - self._last_log >= self._log_every_s:
+            extra = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
+            log.warning("%s; %d invalid datagrams so far%s", message, self.stats.invalid_datagrams, extra)
+            self._last_log = now
+            self._suppressed = 0
+        else:
+            self._suppressed += 1

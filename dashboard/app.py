@@ -1,0 +1,147 @@
+"""The Vigil dashboard: a multi-page Plotly Dash app that reads the controller's REST API only.
+
+Two ways to run it:
+
+* **Mounted in the controller** (the default deployment)::
+
+      dash_app = create_dash_app(api_base_url, token)            # requests prefix "/dashboard/"
+      app.mount("/dashboard", a2wsgi.WSGIMiddleware(dash_app.server))
+
+  Starlette's mount strips ``/dashboard`` from the path it hands to the WSGI app (it becomes the
+  WSGI ``SCRIPT_NAME``), so Dash's own routes live at ``/`` (``routes_pathname_prefix="/"``),
+  while the browser must prefix every request with ``/dashboard/``
+  (``requests_pathname_prefix="/dashboard/"``).
+
+* **Standalone**: ``vigil dashboard --controller URL --port 8050`` (or
+  ``python -m dashboard ...``) calls :func:`main`, which serves the app at ``/``.
+
+The pages live in ``dashboard/pages`` (one module per page, global callbacks). This module must
+not import torch, ray or the trainer; a test checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import dash
+from dash import _callback as dash_callback
+from dash import dcc, html
+
+from dashboard.context import CONFIG_KEY, REFRESH_MS, DashboardConfig
+
+log = logging.getLogger(__name__)
+
+PAGES_FOLDER = Path(__file__).resolve().parent / "pages"
+MOUNT_PREFIX = "/dashboard/"
+"""Where the controller mounts the dashboard."""
+NAV_LINKS = (("Jobs", ""), ("Nodes", "nodes"), ("Events", "events"))
+
+
+def _normalise_prefix(prefix: str) -> str:
+    if not prefix.startswith("/"):
+        prefix = "/" + prefix
+    if not prefix.endswith("/"):
+        prefix += "/"
+    return prefix
+
+
+def _claim_global_callbacks(app: dash.Dash) -> None:
+    """Move the callbacks the pages just registered globally into ``app``, now.
+
+    Dash keeps ``@dash.callback`` registrations in a process-wide list and hands all of them to
+    the first app that serves a request. Every ``create_dash_app`` re-executes the page modules,
+    which registers a fresh copy of their callbacks; claiming that copy right away gives each app
+    its own, so two apps in one process (tests, or a standalone app next to a mounted one) both
+    work whichever serves first. This mirrors what ``Dash._setup_server`` does on first request;
+    ``tests/dashboard/test_app.py`` checks it still works on the installed Dash.
+    """
+    for key in list(dash_callback.GLOBAL_CALLBACK_MAP):
+        app.callback_map[key] = dash_callback.GLOBAL_CALLBACK_MAP.pop(key)
+    app._callback_list.extend(dash_callback.GLOBAL_CALLBACK_LIST)
+    dash_callback.GLOBAL_CALLBACK_LIST.clear()
+
+
+def _shell(prefix: str) -> html.Div:
+    """Navigation bar around Dash's page container."""
+    nav = html.Nav(
+        [html.Span("Vigil", style={"fontWeight": "bold", "marginRight": "24px"})]
+        + [
+            dcc.Link(label, href=prefix + path, id=f"app-nav-{label.lower()}", style={"marginRight": "16px"})
+            for label, path in NAV_LINKS
+        ],
+        style={"padding": "8px 16px", "borderBottom": "1px solid #ddd", "marginBottom": "8px"},
+    )
+    return html.Div(
+        [nav, html.Div(dash.page_container, style={"padding": "0 16px"})],
+        style={"fontFamily": "system-ui, sans-serif"},
+    )
+
+
+def create_dash_app(
+    api_base_url: str,
+    token: str | None = None,
+    requests_pathname_prefix: str = MOUNT_PREFIX,
+    *,
+    refresh_ms: int = REFRESH_MS,
+) -> dash.Dash:
+    """Build the dashboard app for the controller at ``api_base_url``.
+
+    ``requests_pathname_prefix`` is the URL path under which browsers reach the app:
+    ``"/dashboard/"`` when the controller mounts ``app.server`` at ``/dashboard`` (the default),
+    ``"/"`` when it runs standalone. Dash's server-side routes always live at ``/`` of the WSGI
+    app, since the mount strips its own prefix. ``token`` is sent as a bearer token with every
+    API call; ``refresh_ms`` is how often the pages poll.
+    """
+    if not api_base_url:
+        raise ValueError("api_base_url is required")
+    if refresh_ms < 100:
+        raise ValueError(f"refresh_ms must be >= 100, got {refresh_ms}")
+    prefix = _normalise_prefix(requests_pathname_prefix)
+    app = dash.Dash(
+        "dashboard",
+        use_pages=True,
+        pages_folder=str(PAGES_FOLDER),
+        requests_pathname_prefix=prefix,
+        routes_pathname_prefix="/",
+        title="Vigil",
+        update_title=None,
+        serve_locally=True,  # the browser may have no internet; Dash serves its own JS bundles
+    )
+    _claim_global_callbacks(app)
+    app.server.config[CONFIG_KEY] = DashboardConfig(
+        api_base_url=api_base_url.rstrip("/"), token=token, prefix=prefix, refresh_ms=refresh_ms
+    )
+    app.layout = _shell(prefix)
+    return app
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from controller.settings import get_settings  # cheap (pydantic-settings only)
+
+    p = argparse.ArgumentParser(prog="vigil dashboard", description="Serve the Vigil dashboard on its own.")
+    p.add_argument("--controller", default=get_settings().controller_url, help="controller base URL")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8050, help="port to bind")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("VIGIL_TOKEN"),
+        help="bearer token for the controller (env VIGIL_TOKEN)",
+    )
+    p.add_argument("--refresh-ms", type=int, default=REFRESH_MS, help="how often pages poll the controller")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``vigil dashboard --controller URL [--host H] [--port 8050] [--token T]``: serve at ``/``."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_dash_app(
+        args.controller, token=args.token, requests_pathname_prefix="/", refresh_ms=args.refresh_ms
+    )
+    log.info("dashboard for %s on http://%s:%d/", args.controller, args.host, args.port)
+    app.run(host=args.host, port=args.port, debug=False)
+    return 0
