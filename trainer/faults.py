@@ -1,0 +1,104 @@
+"""In-rank fault injection: a one-shot fault file each rank looks at once per step.
+
+The file is ``<run_dir>/faults/<slug(job id)>/rank-<rank>.json`` (:func:`fault_path`; the agent of
+the rank's node writes it when the controller fires a fault), holding one JSON object::
+
+    {"kind": "nan_loss", "step": 120, "fault_id": 7}
+
+``kind``: what to do (only ``nan_loss`` today: the rank's loss of that step is multiplied by NaN
+before ``backward``, so NaN gradients and, unless something guards, NaN parameters follow for
+real). ``step``: the fault fires at the first step >= ``step`` this rank runs. ``fault_id``: the
+controller's id, echoed in the log.
+
+One-shot: when it fires, the rank renames the file to ``rank-<rank>.json.fired`` *before* acting, so
+after a rollback to a checkpoint taken before ``step`` the fault does not fire again (and if the
+rename fails it does not fire at all). Cost per step: one ``os.stat`` that fails with ENOENT; the
+file is read only when its (inode, size, mtime) changes. Never blocks, never raises into the loop.
+
+Torch-free on purpose: the agent can import :func:`fault_path` to write the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.schemas import slugify
+
+log = logging.getLogger(__name__)
+
+FAULTS_DIR = "faults"
+FIRED_SUFFIX = ".fired"
+NAN_LOSS = "nan_loss"
+KNOWN_KINDS = frozenset({NAN_LOSS})
+
+
+def fault_path(run_dir: Path | str, job_id: str, rank: int) -> Path:
+    """Where rank ``rank`` of job ``job_id`` looks for its fault file."""
+    return Path(run_dir) / FAULTS_DIR / slugify(job_id) / f"rank-{rank}.json"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault that fired at this step."""
+
+    kind: str
+    step: int
+    fault_id: int | None = None
+
+
+class FaultHook:
+    """Checks this rank's fault file; :meth:`check` once per step returns the fault firing now, if any."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._pending: Fault | None = None
+
+    def check(self, step: int) -> Fault | None:
+        if self.path is None:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:  # no fault file: the common case
+            self._seen, self._pending = None, None
+            return None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if key != self._seen:
+            self._seen = key
+            self._pending = self._read()
+        fault = self._pending
+        if fault is None or step < fault.step:
+            return None
+        try:
+            os.replace(self.path, self.path.with_name(self.path.name + FIRED_SUFFIX))
+        except OSError as e:
+            log.error("fault file %s cannot be marked fired (%s); not firing it", self.path, e)
+            return None
+        self._seen, self._pending = None, None
+        log.warning("fault %s (id %s) fires at step %d (asked for step %d)", fault.kind, fault.fault_id, step,
+                    fault.step)
+        return Fault(kind=fault.kind, step=step, fault_id=fault.fault_id)
+
+    def _read(self) -> Fault | None:
+        assert self.path is not None
+        try:
+            body = json.loads(self.path.read_text())
+            kind, step = body["kind"], body["step"]
+            fault_id = body.get("fault_id")
+            if not isinstance(kind, str) or isinstance(step, bool) or not isinstance(step, int):
+                raise TypeError("kind must be a string and step an integer")
+            if fault_id is not None and (isinstance(fault_id, bool) or not isinstance(fault_id, int)):
+                raise TypeError("fault_id must be an integer")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # A half-written file (the writer should rename into place) or a bad one: look again
+            # when it changes.
+            log.warning("ignoring fault file %s: %s", self.path, e)
+            return None
+        if kind not in KNOWN_KINDS:
+            log.warning("ignoring fault file %s: unknown kind %r (known: %s)", self.path, kind, sorted(KNOWN_KINDS))
+            return None
+        return Fault(kind=kind, step=step, fault_id=fault_id)
