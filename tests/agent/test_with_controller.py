@@ -1,0 +1,209 @@
+"""The agent against the real controller (FastAPI app + SQLite, served by uvicorn on 127.0.0.1).
+
+An outage here is the controller process going away: the uvicorn server stops, and a new app on
+the same database and port comes back, as after a controller restart. Every step sent meanwhile
+must be stored exactly once, the node must be known with the agent's heartbeat.
+
+Needs: the controller package (FastAPI, SQLAlchemy, Alembic, uvicorn), a writable temporary
+folder, loopback networking, py-spy (the command test); a few seconds. No Ray (jobs stay PENDING
+without a launcher).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent.main import AgentConfig
+from controller.client import VigilClient
+from controller.schemas import JobCreate
+from controller.settings import Settings
+from tests.agent.doubles import AgentThread, collective_dict, datagram, send_datagrams, step_dict, wait_for
+from tests.auth import issue_token
+
+uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is a controller dependency")
+pytestmark = pytest.mark.timeout(180)
+
+
+class Controller:
+    """The real controller app in a uvicorn server thread; stop() and start() keep the port."""
+
+    def __init__(self, home: Path) -> None:
+        self.settings = Settings(home=home, database_url=f"sqlite:///{home / 'vigil.db'}")
+        self.port = 0
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.app = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from controller.app import create_app
+
+        app = self.app = create_app(self.settings, background=False, mount_dashboard=False)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        wait_for(lambda: self._server.started or not self._thread.is_alive(), timeout=60, what="uvicorn up")
+        assert self._server.started, "controller did not start"
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(30)
+            self._server = None
+
+
+def send_job_steps(sock: Path, job_id: str, start: int, stop: int) -> None:
+    """Rank 0 of ``job_id`` reports steps [start, stop), each with one collective."""
+    payloads = [
+        datagram(
+            [
+                x
+                for i in range(s, min(s + 20, stop))
+                for x in (step_dict(i, job_id=job_id, pid=os.getpid()), collective_dict(i, job_id=job_id))
+            ]
+        )
+        for s in range(start, stop, 20)
+    ]
+    send_datagrams(str(sock), payloads)
+
+
+def test_outage_and_controller_restart_store_every_step_once(short_dir):
+    ctl = Controller(short_dir)
+    ctl.start()
+    try:
+        admin = issue_token(ctl.app, "admin")
+        with VigilClient(ctl.url, token=admin) as client:
+            # The controller stores samples of known jobs only.
+            job = client.submit_job(JobCreate(name="agent-e2e", steps=10))
+        cfg = AgentConfig(
+            node_id="node-ctl",
+            controller_url=ctl.url,
+            token=issue_token(ctl.app, "agent"),  # stored in the database: still valid after the restart
+            run_dir=short_dir,
+            flush_interval_s=0.1,
+            heartbeat_interval_s=0.2,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.5,
+        )
+
+        def stored_steps() -> list[int]:
+            with VigilClient(ctl.url, token=admin) as c:
+                m = c.job_metrics(job.id)
+            return m.ranks[0].step if m.ranks else []
+
+        with AgentThread(cfg):
+            send_job_steps(cfg.socket_path, job.id, 0, 300)
+            wait_for(lambda: len(stored_steps()) == 300, what="300 steps stored")
+            ctl.stop()  # the controller goes away
+            send_job_steps(cfg.socket_path, job.id, 300, 600)
+            wait_for(lambda: any(cfg.spool_dir.glob("*.json.gz")), what="batches spooled")
+            ctl.start()  # a new controller process on the same database and port
+            wait_for(lambda: len(stored_steps()) == 600, timeout=60, what="600 steps stored")
+        assert stored_steps() == list(range(600))  # each step exactly once, none lost
+        with VigilClient(ctl.url, token=admin) as client:
+            nodes = {n.id: n for n in client.list_nodes().data}
+            assert client.get_job(job.id).last_step == 599
+        node = nodes["node-ctl"]
+        assert node.agent_id == cfg.agent_id and node.hostname == cfg.hostname
+        assert any(r.pid == os.getpid() for r in node.ranks)
+        assert node.host["agent"]["spooled_batches"] == 0
+        assert not any(cfg.spool_dir.glob("*.json.gz"))
+    finally:
+        ctl.stop()
+
+
+STUCK_RANK = """
+import time
+
+def vigil_stuck_in_collective():
+    while True:
+        time.sleep(0.01)
+
+vigil_stuck_in_collective()
+"""
+
+
+def test_commands_from_the_controller_are_carried_out_and_answered_once(short_dir):
+    """The real routes and auth: the controller queues commands, the agent (agent token) fetches
+    them, carries them out on a real throwaway "rank" process and answers; py-spy stacks end up
+    stored by the controller."""
+    from sqlalchemy import select
+
+    from controller.db import session_scope
+    from controller.models import NodeCommandRow, StackDump
+    from controller.recovery.commands import enqueue
+    from controller.schemas import CommandKind
+
+    ctl = Controller(short_dir)
+    ctl.start()
+    rank = subprocess.Popen([sys.executable, "-c", STUCK_RANK])
+    try:
+        admin = issue_token(ctl.app, "admin")
+        agent_token = issue_token(ctl.app, "agent")
+        with VigilClient(ctl.url, token=admin) as client:
+            job = client.submit_job(JobCreate(name="agent-commands", steps=10))
+        cfg = AgentConfig(
+            node_id="node-cmd",
+            controller_url=ctl.url,
+            token=agent_token,
+            run_dir=short_dir,
+            storage_root=short_dir / "storage",
+            flush_interval_s=0.1,
+            heartbeat_interval_s=0.2,
+        )
+        with AgentThread(cfg):
+            # The rank reports a step: its pid becomes one the controller may act on.
+            send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, job_id=job.id, pid=rank.pid)])])
+
+            def rank_reported() -> bool:
+                with VigilClient(ctl.url, token=admin) as c:
+                    nodes = {n.id: n for n in c.list_nodes().data}
+                return "node-cmd" in nodes and any(r.pid == rank.pid for r in nodes["node-cmd"].ranks)
+
+            wait_for(rank_reported, what="the rank in a heartbeat")
+            with session_scope(ctl.app.state.sessions) as s:
+                ids = [
+                    enqueue(s, "node-cmd", CommandKind.STOP_PID, {"pid": rank.pid}, job_id=job.id).id,
+                    enqueue(s, "node-cmd", CommandKind.PYSPY_DUMP, {"job_id": job.id, "pids": {"0": rank.pid}},
+                            job_id=job.id).id,
+                    enqueue(s, "node-cmd", CommandKind.KILL_PID, {"pid": os.getppid(), "signal": 9}).id,
+                    enqueue(s, "node-cmd", CommandKind.WRITE_FAULT_FILE,
+                            {"job_id": job.id, "rank": 0, "fault": {"kind": "nan_loss", "step": 3}}).id,
+                ]  # fmt: skip
+
+            def rows() -> dict[int, NodeCommandRow]:
+                with session_scope(ctl.app.state.sessions) as s:
+                    found = s.scalars(select(NodeCommandRow).where(NodeCommandRow.id.in_(ids))).all()
+                    s.expunge_all()
+                    return {r.id: r for r in found}
+
+            wait_for(lambda: all(r.status != "PENDING" for r in rows().values()), timeout=60, what="answers")
+            done = rows()
+            assert [done[i].status for i in ids] == ["DONE", "DONE", "FAILED", "DONE"], [
+                (done[i].status, done[i].message) for i in ids
+            ]
+            assert "refused" in (done[ids[2]].message or "")
+            assert psutil.Process(rank.pid).status() == psutil.STATUS_STOPPED  # hung, and still hung
+            assert (short_dir / "faults" / job.id / "rank-0.json").exists()
+            with session_scope(ctl.app.state.sessions) as s:
+                stacks = s.scalars(select(StackDump).where(StackDump.job_id == job.id)).all()
+                assert len(stacks) == 1 and stacks[0].pid == rank.pid
+                assert "vigil_stuck_in_collective" in stacks[0].stack and "stopped" in stacks[0].stack
+            with VigilClient(ctl.url, token=agent_token) as c:
+                assert c.node_commands("node-cmd").count == 0
+    finally:
+        rank.kill()
+        rank.wait(10)
+        ctl.stop()

@@ -1,0 +1,67 @@
+"""Shared fixtures: databases (SQLite file, and a fresh PostgreSQL database on 127.0.0.1:5432)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+PG_ADMIN_URL = os.environ.get("VIGIL_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def _pg_connect():  # type: ignore[no-untyped-def]
+    import psycopg
+
+    return psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=3)
+
+
+def _ensure_postgres() -> str | None:
+    """None when PostgreSQL answers (starting it if it is installed but down), else the reason."""
+    try:
+        _pg_connect().close()
+        return None
+    except Exception as first:  # noqa: BLE001 - any failure means "try to start it"
+        versions = Path("/etc/postgresql")
+        if versions.is_dir():
+            for v in sorted(versions.iterdir()):
+                subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", v.name, "main", "start"],
+                               capture_output=True, timeout=60)
+            try:
+                _pg_connect().close()
+                return None
+            except Exception as exc:  # noqa: BLE001
+                return f"PostgreSQL on 127.0.0.1:5432 unreachable even after pg_ctlcluster start: {exc}"
+        return f"PostgreSQL on 127.0.0.1:5432 unreachable and not installed here: {first}"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'vigil.db'}"
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    reason = _ensure_postgres()
+    if reason:
+        pytest.skip(reason)
+    name = f"vigil_test_{uuid.uuid4().hex[:10]}"
+    with _pg_connect() as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with _pg_connect() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """Each test using it runs once on SQLite and once on PostgreSQL."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")

@@ -1,0 +1,80 @@
+"""`vigil fault | incidents | recover | evict | readmit` against a live controller over real HTTP.
+
+Needs: uvicorn on 127.0.0.1 (a port the OS picks), SQLite in tmp_path. No Ray: the commands are
+queued for agents, which tests/agent and tests/e2e cover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller import cli
+from controller.app import create_app
+from controller.settings import Settings, get_settings
+from tests.auth import bearer, issue_token
+from tests.controller.fakes import FakeLauncher
+from tests.dashboard.harness import start_live_server
+
+
+@pytest.fixture
+def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Any]]:
+    home = tmp_path / "home"
+    monkeypatch.setenv("VIGIL_HOME", str(home))
+    apps: list[Any] = []
+
+    def make(url: str) -> Any:
+        settings = Settings(home=home, database_url=f"sqlite:///{home / 'vigil.db'}", controller_url=url)
+        apps.append(create_app(settings, FakeLauncher(), background=False, mount_dashboard=False))
+        return apps[-1]
+
+    server = start_live_server(make)
+    monkeypatch.setenv("VIGIL_CONTROLLER_URL", server.url)
+    monkeypatch.setenv("VIGIL_TOKEN", issue_token(apps[0], "user"))
+    get_settings.cache_clear()
+    try:
+        yield server.url, apps[0]
+    finally:
+        server.stop()
+        get_settings.cache_clear()
+
+
+def test_fault_incidents_recover_evict_readmit(live: tuple[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    import httpx
+
+    url, app = live
+    admin = bearer(issue_token(app, "admin"))
+    job_id = httpx.post(f"{url}/api/v1/jobs", json={"name": "j", "steps": 50}, headers=admin).json()["id"]
+    app.state.supervisor.step()  # launched (fake)
+    with app.state.sessions() as s:  # the engine says it runs
+        from controller.jobs import get_job, transition
+        from controller.schemas import JobStatus
+
+        transition(s, get_job(s, job_id), JobStatus.RUNNING)
+        s.commit()
+    # an agent's heartbeat tells where rank 1 runs
+    hb = {"agent_id": "a", "node_id": "vigil-node-1", "seq": 1, "sent_at": 1.0, "samples": [],
+          "heartbeat": {"ts": 1.0, "ranks": [{"job_id": job_id, "rank": 1, "pid": 4242}]}}
+    assert httpx.post(f"{url}/api/v1/telemetry", json=hb, headers=admin).status_code == 200
+
+    assert cli.main(["fault", job_id, "slow_rank", "--rank", "1", "--param", "factor=2.5"]) == 0
+    assert "slow_rank PENDING" in capsys.readouterr().out
+    assert cli.main(["fault", job_id, "slow_rank", "--param", "nokey"]) == 2
+    assert cli.main(["fault", job_id, "teleport", "--rank", "1"]) == 1  # the API's 422, printed
+    assert "'kind'" in capsys.readouterr().err  # names the field
+
+    assert cli.main(["recover", job_id, "--reason", "operator says so"]) == 0
+    assert "manual: operator says so" in capsys.readouterr().out
+    assert cli.main(["incidents", "--job", job_id]) == 0
+    assert "manual" in capsys.readouterr().out
+
+    assert cli.main(["evict", "vigil-node-1", "--deadline", "3"]) == 0
+    assert "vigil-node-1 EVICTED" in capsys.readouterr().out
+    assert cli.main(["readmit", "vigil-node-1"]) == 0
+    assert cli.main(["readmit", "vigil-node-1"]) == 1  # not evicted any more: 409
+    assert cli.main(["evict", "no-such-node"]) == 1
+    cmds = httpx.get(f"{url}/api/v1/nodes/vigil-node-1/commands", headers=admin).json()["data"]
+    assert [c["kind"] for c in cmds] == ["kill_pid", "stop_raylet", "start_raylet"]

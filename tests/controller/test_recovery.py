@@ -1,0 +1,338 @@
+"""Detection, recovery and fault injection, driven one monitor step at a time.
+
+The database is real (SQLite); the agents and Ray are not: telemetry is posted as agents would post
+it, the agents' command results are posted through the API, and a fake cluster control records
+drains. The real thing (agents carrying out commands, Ray restarting ranks) is tests/e2e.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from controller.app import create_app
+from controller.launcher import LaunchStatus
+from controller.recovery.monitor import Monitor, Thresholds
+from controller.recovery.stacks import group_stacks, signature
+from controller.schemas import JobStatus
+from controller.settings import Settings
+from tests.auth import bearer, issue_token
+from tests.controller.fakes import FakeLauncher
+
+API = "/api/v1"
+
+
+@dataclass
+class FakeCluster:
+    drained: list[tuple[str, float]] = field(default_factory=list)
+
+    def drain_node(self, node_name: str, deadline_s: float, reason: str) -> bool:
+        self.drained.append((node_name, deadline_s))
+        return True
+
+    def nodes(self) -> list:
+        return []
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Env:
+    client: TestClient
+    monitor: Monitor
+    clock: Clock
+    cluster: FakeCluster
+    launcher: FakeLauncher
+    job_id: str = ""
+    seq: int = 0
+    pids: dict[int, int] = field(default_factory=lambda: {0: 1000, 1: 1001})
+    nodes: dict[int, str] = field(default_factory=lambda: {0: "vigil-node-1", 1: "vigil-node-2"})
+    alive: dict[int, bool] = field(default_factory=lambda: {0: True, 1: True})
+
+    def post(self, samples: list[dict], node: str, heartbeat: bool = True) -> None:
+        self.seq += 1
+        ranks = [{"job_id": self.job_id, "rank": r, "pid": self.pids[r], "alive": self.alive[r]}
+                 for r, n in self.nodes.items() if n == node]
+        body = {"agent_id": f"agent-{node}", "node_id": node, "seq": self.seq, "sent_at": self.clock.now,
+                "samples": samples}
+        if heartbeat:
+            body["heartbeat"] = {"ts": self.clock.now, "hostname": node, "ranks": ranks}
+        r = self.client.post(f"{API}/telemetry", json=body)
+        assert r.status_code == 200, r.text
+
+    def steps(self, first: int, last: int, compute: dict[int, float] | None = None, loss: float | None = 3.0,
+              dt: float = 0.2) -> None:
+        """Ranks report steps first..last, ``dt`` apart on the fake clock, with heartbeats."""
+        compute = compute or {}
+        for st in range(first, last + 1):
+            self.clock.now += dt
+            for rank, node in self.nodes.items():
+                c = compute.get(rank, 0.05)
+                self.post([{"kind": "step", "job_id": self.job_id, "rank": rank, "step": st, "ts": self.clock.now,
+                            "loss": loss, "step_time_s": 0.2, "fwd_bwd_s": c, "comm_s": 0.01}], node)
+
+    def heartbeats(self, nodes: list[str] | None = None) -> None:
+        for node in nodes or sorted(set(self.nodes.values())):
+            self.post([], node)
+
+    def incidents(self) -> list[dict]:
+        return self.client.get(f"{API}/jobs/{self.job_id}/incidents").json()["data"]
+
+    def commands(self, node: str) -> list[dict]:
+        return self.client.get(f"{API}/nodes/{node}/commands").json()["data"]
+
+    def answer(self, node: str, command_id: int, ok: bool = True, output: dict | None = None) -> dict:
+        r = self.client.post(f"{API}/nodes/{node}/commands/{command_id}/result",
+                             json={"ok": ok, "output": output or {}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
+    launcher, cluster, clock = FakeLauncher(), FakeCluster(), Clock()
+    app = create_app(settings, launcher, cluster=cluster, background=False, mount_dashboard=False)
+    monitor = Monitor(app.state.sessions, launcher, cluster, thresholds=Thresholds(), clock=clock)
+    app.state.monitor = monitor
+    with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
+        e = Env(c, monitor, clock, cluster, launcher)
+        spec = {"name": "r", "steps": 1000, "scaling": {"min_workers": 2, "max_workers": 2},
+                "recovery": {"policy": "evict_restart", "max_restarts": 2}}
+        e.job_id = c.post(f"{API}/jobs", json=spec).json()["id"]
+        app.state.supervisor.step()
+        launcher.statuses[f"fake-{e.job_id}"] = LaunchStatus(JobStatus.RUNNING)
+        app.state.supervisor.step()
+        yield e
+
+
+def test_clean_run_has_no_incidents(env: Env) -> None:
+    for chunk in range(10):
+        env.steps(chunk * 10 + 1, chunk * 10 + 10)
+        env.monitor.step()
+    assert env.incidents() == []
+    assert env.cluster.drained == []
+
+
+def test_node_lost_after_heartbeat_timeout(env: Env) -> None:
+    env.steps(1, 5)
+    env.monitor.step()
+    env.clock.now += 2.5
+    env.heartbeats(["vigil-node-1"])  # node 2 falls silent
+    env.monitor.step()
+    assert env.incidents() == []
+    env.clock.now += 2.5
+    env.heartbeats(["vigil-node-1"])
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["node_id"], i["rank"]) for i in inc] == [("node_lost", "vigil-node-2", 1)]
+    assert inc[0]["evidence"]["heartbeat_age_s"] > 4 and inc[0]["status"] == "ACTING"
+    nodes = {n["id"]: n["state"] for n in env.client.get(f"{API}/nodes").json()["data"]}
+    assert nodes["vigil-node-2"] == "DEAD" and nodes["vigil-node-1"] == "ALIVE"
+
+
+def test_kill_rank_fault_fires_at_step_and_death_is_named(env: Env) -> None:
+    env.steps(1, 3)
+    r = env.client.post(f"{API}/jobs/{env.job_id}/faults", json={"kind": "kill_rank", "rank": 1, "step": 5})
+    assert r.status_code == 201
+    env.monitor.step()
+    assert env.commands("vigil-node-2") == []  # not yet at step 5
+    env.steps(4, 5)
+    env.monitor.step()
+    cmds = env.commands("vigil-node-2")
+    assert [(c["kind"], c["args"]["pid"]) for c in cmds] == [("kill_pid", 1001)]
+    assert env.commands("vigil-node-1") == []
+    assert env.client.get(f"{API}/jobs/{env.job_id}/faults").json()["data"][0]["status"] == "FIRED"
+    # the agent carries it out; its next heartbeat shows the rank's process gone
+    assert env.answer("vigil-node-2", cmds[0]["id"]) == {"stored": True}
+    assert env.answer("vigil-node-2", cmds[0]["id"]) == {"stored": False}  # a repeat is ignored
+    env.alive[1] = False
+    env.heartbeats()
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["node_id"], i["rank"], i["evidence"]["pid"]) for i in inc] == [
+        ("rank_died", "vigil-node-2", 1, 1001)]
+    # Ray Train restarts the group: new pids, steps resume from the checkpoint at step 3
+    env.pids = {0: 2000, 1: 2001}
+    env.alive = {0: True, 1: True}
+    env.clock.now += 8
+    env.steps(4, 6)
+    env.monitor.step()
+    inc = env.incidents()[0]
+    assert inc["status"] == "RECOVERED" and inc["recovered_at"] is not None
+    job = env.client.get(f"{API}/jobs/{env.job_id}").json()
+    assert job["status"] == "RUNNING"
+
+
+def test_the_rank_that_died_first_is_named_not_the_ones_taken_down_after_it(env: Env) -> None:
+    env.steps(1, 5)
+    now = env.clock.now
+    # rank 1 dies; Ray Train takes rank 0 down 2 s later; rank 0's node happens to report first
+    body0 = {"agent_id": "agent-vigil-node-1", "node_id": "vigil-node-1", "seq": 900, "sent_at": now, "samples": [],
+             "heartbeat": {"ts": now, "ranks": [{"job_id": env.job_id, "rank": 0, "pid": 1000, "alive": False,
+                                                 "dead_since": now}]}}
+    assert env.client.post(f"{API}/telemetry", json=body0).status_code == 200
+    env.monitor.step()
+    assert env.incidents() == []  # waits for the other agents' reports
+    body1 = {"agent_id": "agent-vigil-node-2", "node_id": "vigil-node-2", "seq": 901, "sent_at": now, "samples": [],
+             "heartbeat": {"ts": now, "ranks": [{"job_id": env.job_id, "rank": 1, "pid": 1001, "alive": False,
+                                                 "dead_since": now - 2.0}]}}
+    assert env.client.post(f"{API}/telemetry", json=body1).status_code == 200
+    env.clock.now += 2.0
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["node_id"]) for i in inc] == [("rank_died", 1, "vigil-node-2")]
+    assert inc[0]["evidence"]["also_dead"] == {"0": pytest.approx(now)}
+
+
+def test_hang_collects_stacks_names_odd_rank_and_evicts(env: Env) -> None:
+    env.steps(1, 20)
+    env.monitor.step()
+    env.clock.now += 16  # no progress for longer than the 15 s floor
+    env.heartbeats()
+    env.monitor.step()
+    inc = env.incidents()
+    assert [i["kind"] for i in inc] == ["hang"] and inc[0]["rank"] is None
+    dumps = {n: env.commands(n) for n in ("vigil-node-1", "vigil-node-2")}
+    assert all(len(c) == 1 and c[0]["kind"] == "pyspy_dump" for c in dumps.values())
+    waiting = ('Thread 0x1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:2800)\n'
+               "    all_reduce (trainer/comm.py:90)\n    step (trainer/optim/adamw.py:40)\n    train (trainer/loop.py:200)\n")
+    stopped = ('Thread 0x1 (idle): "MainThread"\n    forward (trainer/model.py:120)\n    _call_impl (torch/nn/modules/'
+               "module.py:1700)\n    train (trainer/loop.py:190)\n")
+    env.answer("vigil-node-1", dumps["vigil-node-1"][0]["id"], output={"stacks": {"0": waiting}})
+    env.answer("vigil-node-2", dumps["vigil-node-2"][0]["id"],
+               output={"stacks": {"1": stopped}, "states": {"1": "stopped"}})
+    env.monitor.step()
+    inc = env.incidents()[0]
+    assert inc["rank"] == 1 and inc["node_id"] == "vigil-node-2" and inc["evidence"]["odd_ranks"] == [1]
+    assert inc["status"] == "ACTING"
+    assert env.cluster.drained == [("vigil-node-2", 5.0)]
+    kills = [c for c in env.commands("vigil-node-2") if c["kind"] == "kill_pid"]
+    assert [c["args"]["pid"] for c in kills] == [1001]
+    stacks = env.client.get(f"{API}/jobs/{env.job_id}/stacks").json()
+    assert stacks["odd_ranks"] == [1] and set(stacks["stacks"]) == {"0", "1"}
+    assert {n["id"]: n["state"] for n in env.client.get(f"{API}/nodes").json()["data"]}["vigil-node-2"] == "EVICTED"
+
+
+def test_persistent_compute_straggler_is_named_and_evicted(env: Env) -> None:
+    env.steps(1, 20)
+    env.steps(21, 24, compute={1: 0.15})  # 4 slow steps: not persistent yet
+    env.monitor.step()
+    assert env.incidents() == []
+    env.steps(25, 32, compute={1: 0.15})
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["node_id"], i["evidence"]["class"]) for i in inc] == [
+        ("straggler", 1, "vigil-node-2", "compute-slow")]
+    assert inc[0]["evidence"]["median_ratio_to_peers"] == pytest.approx(3.0)
+    assert inc[0]["evidence"]["ratio_to_own_history"] == pytest.approx(3.0)
+    assert env.cluster.drained == [("vigil-node-2", 5.0)]
+
+
+def test_rank_always_behind_its_peers_is_an_imbalance_not_a_straggler(env: Env) -> None:
+    for chunk in range(6):
+        env.steps(chunk * 10 + 1, chunk * 10 + 10, compute={1: 0.09})  # 1.8x its peer from the start
+        env.monitor.step()
+    assert env.incidents() == []
+
+
+def test_scheduling_noise_on_a_tiny_compute_is_not_a_straggler(env: Env) -> None:
+    env.steps(1, 30, compute={0: 0.003, 1: 0.003})
+    env.steps(31, 45, compute={0: 0.02, 1: 0.003})  # 7x, but 17 ms on a 200 ms step: a busy host
+    env.monitor.step()
+    assert env.incidents() == []
+
+
+def test_noisy_but_not_persistent_rank_is_not_a_straggler(env: Env) -> None:
+    for st in range(1, 60):
+        env.steps(st, st, compute={st % 2: 0.12})  # each rank slow every other step
+        env.monitor.step()
+    assert env.incidents() == []
+
+
+def test_nan_loss_rolls_back_every_rank(env: Env) -> None:
+    env.steps(1, 10)
+    env.steps(11, 11, loss=None)
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["evidence"]["step"]) for i in inc] == [("nan_loss", 11)]
+    killed = sorted(c["args"]["pid"] for n in ("vigil-node-1", "vigil-node-2") for c in env.commands(n)
+                    if c["kind"] == "kill_pid")
+    assert killed == [1000, 1001]
+
+
+def test_no_progress_across_restarts_fails_the_job(env: Env) -> None:
+    env.steps(1, 10)
+    for attempt in range(3):
+        env.steps(11, 11, loss=None)  # NaN again at the same step, every time
+        env.monitor.step()
+        env.clock.now += 10
+        env.steps(8, 10)  # restart from the checkpoint at step 7, no further
+        env.monitor.step()
+    job = env.client.get(f"{API}/jobs/{env.job_id}").json()
+    assert job["status"] == "FAILED" and "no progress across 2 restarts" in job["message"]
+    assert env.launcher.stopped == [f"fake-{env.job_id}"]
+
+
+def test_nan_fault_writes_fault_file_on_the_ranks_node(env: Env) -> None:
+    env.steps(1, 2)
+    env.client.post(f"{API}/jobs/{env.job_id}/faults", json={"kind": "nan_loss", "rank": 0, "step": 40})
+    env.monitor.step()
+    cmds = env.commands("vigil-node-1")
+    assert [(c["kind"], c["args"]["rank"], c["args"]["fault"]["step"]) for c in cmds] == [("write_fault_file", 0, 40)]
+
+
+def test_slow_fault_is_undone_when_cleared(env: Env) -> None:
+    env.steps(1, 2)
+    fid = env.client.post(f"{API}/jobs/{env.job_id}/faults",
+                          json={"kind": "slow_rank", "rank": 1, "params": {"factor": 2}}).json()["id"]
+    env.monitor.step()
+    assert [c["kind"] for c in env.commands("vigil-node-2")] == ["throttle_pid"]
+    r = env.client.post(f"{API}/jobs/{env.job_id}/faults/{fid}/clear")
+    assert r.status_code == 200 and r.json()["status"] == "CLEARED"
+    assert [c["kind"] for c in env.commands("vigil-node-2")] == ["throttle_pid", "unthrottle_pid"]
+
+
+def test_manual_evict_readmit_and_recover(env: Env) -> None:
+    env.steps(1, 2)
+    r = env.client.post(f"{API}/nodes/vigil-node-2/evict")
+    assert r.status_code == 200 and env.cluster.drained == [("vigil-node-2", 5.0)]
+    assert env.client.post(f"{API}/nodes/vigil-node-1/readmit").status_code == 409
+    r = env.client.post(f"{API}/nodes/vigil-node-2/readmit")
+    assert r.status_code == 200
+    assert [c["kind"] for c in env.commands("vigil-node-2")] == ["stop_raylet", "start_raylet"]
+    r = env.client.post(f"{API}/jobs/{env.job_id}/recover", json={"reason": "operator"})
+    assert r.status_code == 202 and r.json()["kind"] == "manual"
+    assert env.client.post(f"{API}/nodes/nope/evict").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"kind": "kill_rank"}, {"kind": "explode", "rank": 0}, {"kind": "kill_rank", "rank": -1},
+     {"kind": "slow_rank", "rank": 0, "params": {f"k{i}": 1 for i in range(20)}}],
+)
+def test_bad_fault_is_422_and_stores_nothing(env: Env, body: dict) -> None:
+    r = env.client.post(f"{API}/jobs/{env.job_id}/faults", json=body)
+    assert r.status_code == 422
+    assert env.client.get(f"{API}/jobs/{env.job_id}/faults").json()["count"] == 0
+
+
+def test_stack_signature_and_grouping() -> None:
+    a = 'Thread 0x1 (idle): "MainThread"\n    wait (gloo.py:1)\n    all_reduce (comm.py:2)\nThread 0x2 (idle): "x"\n'
+    b = 'Thread 0x1 (active): "MainThread"\n    forward (model.py:3)\n'
+    assert signature(a) == "wait (gloo.py) < all_reduce (comm.py)"
+    groups, odd = group_stacks({0: a, 1: a, 2: b, 3: a})
+    assert odd == [2] and groups[0].ranks == [0, 1, 3]
+    assert group_stacks({0: a, 1: b})[1] == [1]  # no majority: the rank outside a collective
+    assert group_stacks({0: a, 1: a})[1] == []

@@ -1,0 +1,231 @@
+"""Test harness for the dashboard: a live ASGI server in a thread and a real Chromium.
+
+* :func:`start_live_server` serves any ASGI app (the controller double of
+  :mod:`tests.dashboard.fake_controller`, or later the real ``controller.app.create_app()``) with
+  uvicorn on a port the OS picks, in a daemon thread, and returns its base URL.
+* :class:`Browser` drives Debian's Chromium through Debian's chromedriver with selenium (explicit
+  ``Service("/usr/bin/chromedriver")``; never a browser or driver downloaded by a test tool), and
+  reads Plotly graphs straight from their DOM nodes.
+
+Needs: uvicorn, a2wsgi (mounting), selenium, and ``apt-get install -y chromium chromium-driver``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,1000",
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Live server
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LiveServer:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise RuntimeError(f"live server at {self.url} did not stop within {timeout} s")
+
+
+def start_live_server(make_app: Callable[[str], Any], start_timeout: float = 20.0) -> LiveServer:
+    """Bind 127.0.0.1 on an OS-chosen port, build the app with its own base URL, serve it.
+
+    ``make_app`` receives the base URL before serving starts, because the mounted dashboard calls
+    the API of the very server it is mounted in.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    app = make_app(url)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn {url}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"live server at {url} did not start within {start_timeout} s")
+        time.sleep(0.02)
+    return LiveServer(url=url, server=server, thread=thread)
+
+
+# --------------------------------------------------------------------------------------------------
+# Browser
+# --------------------------------------------------------------------------------------------------
+
+
+def chromium_missing_reason() -> str | None:
+    """Why the browser tests cannot run here, or ``None`` when Chromium and its driver are installed."""
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not (p.exists() and os.access(p, os.X_OK))]
+    if missing:
+        return f"{', '.join(missing)} missing: apt-get install -y chromium chromium-driver"
+    return None
+
+
+_GRAPH_JS = """
+const root = document.getElementById(arguments[0]);
+const gd = root && (root.classList.contains('js-plotly-plot') ? root : root.querySelector('.js-plotly-plot'));
+if (!gd || !gd.data) { return null; }
+return {
+  traces: gd.data.map(t => ({
+    name: t.name === undefined ? null : t.name,
+    type: t.type || 'scatter',
+    x: Array.from(t.x || []),
+    n: (t.x || []).length,
+    rows: t.z ? t.z.length : null,
+  })),
+  annotations: ((gd.layout && gd.layout.annotations) || []).map(a => a.text),
+};
+"""
+
+
+class Browser:
+    """A headless Chromium with helpers to wait on the page and read Plotly graphs."""
+
+    def __init__(self, user_data_dir: Path) -> None:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = str(CHROMIUM)
+        for flag in CHROMIUM_FLAGS:
+            options.add_argument(flag)
+        options.add_argument(f"--user-data-dir={user_data_dir}")
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+        self.driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+        self.driver.set_page_load_timeout(60)
+
+    def quit(self) -> None:
+        self.driver.quit()
+
+    def get(self, url: str) -> None:
+        self.driver.get(url)
+
+    def blank(self) -> None:
+        """Leave the current page (stops its polling) and drop its console messages."""
+        self.driver.get("about:blank")
+        self.console()
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+        """Poll ``predicate`` until it returns something truthy; return that, or fail naming ``what``."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = predicate()
+            except Exception as exc:  # noqa: BLE001 - the page may be mid-render; keep the last error
+                last = exc
+            else:
+                if last:
+                    return last
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+
+    def wait_equal(
+        self, getter: Callable[[], Any], expected: Any, timeout: float = 30.0, what: str = "value"
+    ) -> None:
+        """Poll ``getter`` until it returns ``expected``; on timeout, fail showing the last value."""
+        seen: list[Any] = [None]
+
+        def check() -> bool:
+            seen[0] = getter()
+            return bool(seen[0] == expected)
+
+        try:
+            self.wait_for(check, timeout, what)
+        except AssertionError:
+            raise AssertionError(
+                f"{what}: expected {expected!r}, last saw {seen[0]!r} after {timeout} s"
+            ) from None
+
+    def js(self, script: str, *args: Any) -> Any:
+        return self.driver.execute_script(script, *args)
+
+    def css(self, selector: str) -> list[Any]:
+        from selenium.webdriver.common.by import By
+
+        return self.driver.find_elements(By.CSS_SELECTOR, selector)
+
+    def wait_css(self, selector: str, timeout: float = 30.0) -> list[Any]:
+        return self.wait_for(lambda: self.css(selector), timeout, f"element {selector!r}")
+
+    def text(self, element_id: str) -> str:
+        return self.js(
+            "const e = document.getElementById(arguments[0]); return e ? e.innerText : null;", element_id
+        )
+
+    def graph(self, graph_id: str) -> dict[str, Any] | None:
+        """Traces (name, type, x, n points, heatmap rows) and annotation texts of a ``dcc.Graph``."""
+        return self.js(_GRAPH_JS, graph_id)
+
+    def console(self) -> list[dict[str, Any]]:
+        """Browser console messages since the last call."""
+        return self.driver.get_log("browser")
+
+    def console_errors(self) -> list[str]:
+        return [
+            m["message"]
+            for m in self.console()
+            if m.get("level") == "SEVERE" and "favicon" not in m["message"]
+        ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Mounting
+# --------------------------------------------------------------------------------------------------
+
+
+def with_dashboard(
+    make_api_app: Callable[[str], Any], *, token: str | None = None, refresh_ms: int = 1000
+) -> Callable[[str], Any]:
+    """Wrap an API app factory so the dashboard is mounted at ``/dashboard``, as the controller does.
+
+    Exactly the controller's mounting: ``app.mount("/dashboard", a2wsgi.WSGIMiddleware(dash_app.server))``
+    with the dashboard's default ``requests_pathname_prefix="/dashboard/"``; the dashboard reads the
+    API of the same server.
+    """
+    from a2wsgi import WSGIMiddleware
+
+    from dashboard.app import create_dash_app
+
+    def make(url: str) -> Any:
+        api_app = make_api_app(url)
+        dash_app = create_dash_app(url, token=token, refresh_ms=refresh_ms)
+        api_app.mount("/dashboard", WSGIMiddleware(dash_app.server))
+        return api_app
+
+    return make

@@ -1,0 +1,96 @@
+"""The dashboard in a real browser: Debian's headless Chromium driven by selenium.
+
+The dashboard is mounted at ``/dashboard`` of a live uvicorn server, exactly as the controller
+mounts it, and reads its data from that server's REST API. Until ``controller.app.create_app()``
+exists, the API is the controller TEST DOUBLE of :mod:`.fake_controller` (fixture
+``dashboard_site``); the ``browser`` fixture works against any live server.
+
+Needs: ``apt-get install -y chromium chromium-driver`` (skipped, with that reason, without them),
+selenium, uvicorn, a2wsgi.
+"""
+
+from __future__ import annotations
+
+from tests.dashboard.conftest import Site
+from tests.dashboard.harness import Browser
+
+
+def _loss_points(page: Browser) -> list[int] | None:
+    graph = page.graph("job-detail-loss")
+    if not graph or not graph["traces"]:
+        return None
+    return [t["n"] for t in graph["traces"]]
+
+
+def test_jobs_list_shows_job_rows_linking_to_job_pages(page: Browser, dashboard_site: Site) -> None:
+    page.get(dashboard_site.dashboard)
+    (row,) = page.wait_css('tr[data-job-id="job-abc"]')
+    text = row.text
+    for expected in ("job-abc", "pydoc-dsm", "RUNNING", "dsm", "19 / 100", "1.678"):
+        assert expected in text, (expected, text)
+    assert page.css('tr[data-job-id="job-new"]')
+    (link,) = page.css('tr[data-job-id="job-abc"] a')
+    assert link.get_attribute("href") == f"{dashboard_site.url}/dashboard/jobs/job-abc"
+
+    # Following the link routes inside the app (no reload) to the job page under the prefix.
+    link.click()
+    page.wait_equal(lambda: _loss_points(page), [20, 20, 17], what="loss points per rank after navigation")
+    assert page.driver.current_url == f"{dashboard_site.url}/dashboard/jobs/job-abc"
+    assert page.console_errors() == []
+
+
+def test_job_page_plots_one_loss_trace_per_rank_and_updates_live(page: Browser, dashboard_site: Site) -> None:
+    page.get(f"{dashboard_site.dashboard}jobs/job-abc")
+    page.wait_equal(lambda: _loss_points(page), [20, 20, 17], what="loss points per rank")
+    loss = page.graph("job-detail-loss")
+    assert [t["name"] for t in loss["traces"]] == ["rank 0", "rank 1", "rank 2"]
+    assert loss["traces"][2]["x"] == list(range(17))
+    assert loss["annotations"] == []
+
+    step_time = page.graph("job-detail-step-time")
+    assert [t["n"] for t in step_time["traces"]] == [20, 20, 17]
+    heatmap = page.graph("job-detail-heatmap")
+    assert [(t["type"], t["rows"], t["n"]) for t in heatmap["traces"]] == [("heatmap", 3, 20)]
+    throughput = page.graph("job-detail-throughput")
+    assert [t["name"] for t in throughput["traces"]] == ["rank 0", "rank 1", "rank 2", "total"]
+
+    header = page.text("job-detail-header")
+    for expected in ("pydoc-dsm", "RUNNING", "dsm", "19 / 100"):
+        assert expected in header, (expected, header)
+    page.wait_for(lambda: "rank 2 is slow" in (page.text("job-detail-events") or ""), what="job events")
+
+    # The job keeps running: 5 more steps per rank reach the page through the refresh interval.
+    dashboard_site.state.extend_metrics("job-abc", 5)
+    page.wait_equal(
+        lambda: _loss_points(page), [25, 25, 22], timeout=20, what="loss points per rank after refresh"
+    )
+    assert page.console_errors() == []
+
+
+def test_job_without_data_waits_and_unknown_job_is_not_found(page: Browser, dashboard_site: Site) -> None:
+    page.get(f"{dashboard_site.dashboard}jobs/job-new")
+    page.wait_for(lambda: "PENDING" in (page.text("job-detail-header") or ""), what="PENDING header")
+    loss = page.graph("job-detail-loss")
+    assert loss["traces"] == []
+    assert loss["annotations"] == ["waiting for data"]
+
+    page.get(f"{dashboard_site.dashboard}jobs/no-such-job")
+    page.wait_for(lambda: page.css("#job-detail-not-found"), what="job not found")
+    assert page.text("job-detail-not-found") == "job not found"
+    assert not page.css("#job-detail-body")[0].is_displayed()
+    assert page.console_errors() == []
+
+
+def test_nodes_and_events_pages(page: Browser, dashboard_site: Site) -> None:
+    page.get(f"{dashboard_site.dashboard}nodes")
+    (dead,) = page.wait_css('tr[data-node-id="node-2"]')
+    for expected in ("DEAD", "1.2 s", "job-abc: 2", "cpu_percent=12.5"):
+        assert expected in dead.text, (expected, dead.text)
+    assert "ALIVE" in page.css('tr[data-node-id="node-1"]')[0].text
+
+    page.css("#app-nav-events")[0].click()
+    page.wait_css('tr[data-event-id="3"]')
+    rows = page.css("tr.vigil-event-row")
+    assert [r.get_attribute("data-event-id") for r in rows] == ["3", "2", "1"]  # newest first
+    assert "node-2 missed heartbeats" in rows[0].text
+    assert page.console_errors() == []

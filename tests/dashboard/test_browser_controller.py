@@ -1,0 +1,102 @@
+"""The dashboard in a real browser against the REAL controller (``controller.app.create_app``).
+
+The controller runs live (uvicorn, SQLite in ``tmp_path``, no Ray: the submitted job stays
+PENDING) with the dashboard mounted by the controller itself. The job and its per-rank steps
+enter through the public REST API (``POST /jobs`` with an admin token, ``POST /telemetry`` with an
+agent token, as agents send them), so what the browser shows went through the controller's
+storage and its metrics endpoint; the dashboard reads it with its own (server-side) viewer token.
+
+Needs: ``apt-get install -y chromium chromium-driver`` (skipped without), selenium, uvicorn, a2wsgi.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from controller.client import VigilClient
+from controller.schemas import Heartbeat, JobCreate, RankProcess, StepSample, TelemetryBatch
+from tests.auth import issue_token
+from tests.dashboard.harness import Browser
+
+POINTS = {0: 12, 1: 9}  # steps reported per rank; unequal, so a mixed-up trace shows
+
+
+def _controller_factory(tmp_path: Path, apps: list[Any]) -> Callable[[str], Any]:
+    from controller.app import create_app
+    from controller.settings import Settings
+
+    def make(url: str) -> Any:
+        settings = Settings(
+            home=tmp_path, database_url=f"sqlite:///{tmp_path / 'vigil.db'}", controller_url=url
+        )
+        apps.append(create_app(settings, None, background=False, mount_dashboard=True))
+        return apps[-1]
+
+    return make
+
+
+def _feed(url: str, app: Any) -> str:
+    with VigilClient(url, token=issue_token(app, "admin")) as client:
+        job = client.submit_job(JobCreate(name="browser-e2e", steps=50))
+        now = time.time()
+        samples = [
+            StepSample(
+                job_id=job.id,
+                rank=rank,
+                world_size=len(POINTS),
+                step=step,
+                ts=now + step,
+                loss=4.0 - 0.1 * step,
+                step_time_s=0.2,
+                tokens=512,
+                tokens_per_s=2560.0,
+            )
+            for rank, n in POINTS.items()
+            for step in range(n)
+        ]
+        heartbeat = Heartbeat(
+            ts=now, hostname="h1", ranks=[RankProcess(job_id=job.id, rank=r, pid=100 + r) for r in POINTS]
+        )
+    with VigilClient(url, token=issue_token(app, "agent")) as agent:
+        ack = agent.post_telemetry(
+            TelemetryBatch(
+                agent_id="agent-1", node_id="node-1", seq=0, sent_at=now, samples=samples, heartbeat=heartbeat
+            )
+        )
+        assert ack.accepted and ack.stored >= len(samples), ack
+        return job.id
+
+
+def test_real_controller_jobs_and_job_page(
+    browser: Browser, live_server: Callable[[Callable[[str], Any]], str], tmp_path: Path
+) -> None:
+    apps: list[Any] = []
+    url = live_server(_controller_factory(tmp_path, apps))
+    job_id = _feed(url, apps[0])
+    browser.blank()
+    try:
+        browser.get(f"{url}/dashboard/")
+        (row,) = browser.wait_css(f'tr[data-job-id="{job_id}"]')
+        assert "browser-e2e" in row.text and "PENDING" in row.text
+
+        browser.get(f"{url}/dashboard/jobs/{job_id}")
+
+        def points() -> list[int] | None:
+            graph = browser.graph("job-detail-loss")
+            return [t["n"] for t in graph["traces"]] if graph and graph["traces"] else None
+
+        browser.wait_equal(
+            points, [POINTS[0], POINTS[1]], what="loss points per rank from the real controller"
+        )
+        names = [t["name"] for t in browser.graph("job-detail-loss")["traces"]]
+        assert names == ["rank 0", "rank 1"]
+
+        browser.get(f"{url}/dashboard/nodes")
+        (node,) = browser.wait_css('tr[data-node-id="node-1"]')
+        assert "h1" in node.text
+        assert browser.console_errors() == []
+    finally:
+        browser.blank()

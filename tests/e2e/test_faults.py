@@ -1,0 +1,216 @@
+"""End to end: every fault kind on a real local Ray cluster (head + 3 worker raylets, one CPU each),
+real agents carrying out the faults on real processes, the real controller detecting and recovering.
+
+For each fault: the job ends SUCCEEDED, the right node/rank is named, no rank runs on an evicted node
+afterwards, and the loss after the restart continues from the checkpoint's loss instead of starting
+over. A clean run produces no incidents. Faults from outside the API too: kill -9 of a rank process,
+and a Ray node removed by killing its raylet.
+
+Needs: root for py-spy (ptrace) - the hang test says so if it is not. Slow: about 10-15 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from controller.client import VigilClient
+from controller.localcluster import LocalCluster, free_port, start_local_cluster
+from controller.schemas import JobCreate, JobStatus
+
+pytestmark = pytest.mark.slow
+
+STEPS = 90
+CKPT = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start_local_cluster(tmp_path_factory.mktemp("faults") / "home", nodes=3, cpus_per_node=1, port=free_port())
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[VigilClient]:
+    with VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30) as c:
+        yield c
+
+
+def _spec(name: str, policy: str = "evict_restart", steps: int = STEPS, ckpt: int = CKPT) -> JobCreate:
+    return JobCreate.model_validate({
+        "name": name,
+        # Big enough that compute is tens of milliseconds: a slow rank must stand out of the noise.
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "context": 64},
+        "data": {"max_bytes": 300_000},
+        "optimizer": {"kind": "adamw", "lr": 0.01},
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+        "steps": steps, "batch_size": 8,
+        "lr_schedule": {"kind": "constant"},
+        "checkpoint": {"interval_steps": ckpt, "keep_last": 3},
+        "recovery": {"policy": policy, "max_restarts": 3},
+    })
+
+
+def _wait(cond, timeout: float, what: str, interval: float = 1.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _finish(client: VigilClient, job_id: str, timeout: float = 420) -> None:
+    _wait(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
+    job = client.get_job(job_id)
+    assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
+
+
+def _reach(client: VigilClient, job_id: str, step: int, timeout: float = 240) -> None:
+    _wait(lambda: (client.get_job(job_id).last_step or 0) >= step, timeout, f"{job_id} to reach step {step}")
+
+
+def _incidents(client: VigilClient, job_id: str) -> list:
+    return client._request("GET", f"/api/v1/jobs/{job_id}/incidents")["data"]
+
+
+def _inject(client: VigilClient, job_id: str, body: dict) -> dict:
+    return client._request("POST", f"/api/v1/jobs/{job_id}/faults", json=body)
+
+
+def _rank_node(client: VigilClient, job_id: str, rank: int) -> tuple[str, int]:
+    """(node, pid) of a live rank of the job, from the agents' heartbeats."""
+    for n in client.list_nodes().data:
+        for r in n.ranks:
+            if r.job_id == job_id and r.rank == rank and r.alive:
+                return n.id, r.pid
+    raise LookupError(rank)
+
+
+def _worker_rank(client: VigilClient, job_id: str) -> tuple[int, str, int]:
+    """(rank, node, pid) of a rank that runs on a worker node, not the head."""
+    for rank in (1, 0):
+        node, pid = _rank_node(client, job_id, rank)
+        if node != "vigil-node-0":
+            return rank, node, pid
+    raise LookupError("both ranks run on the head node")
+
+
+def _readmit_evicted(client: VigilClient, cluster: LocalCluster) -> None:
+    """Give every evicted node back (the next test needs the capacity)."""
+    for n in client.list_nodes().data:
+        if n.state.value == "EVICTED":
+            client._request("POST", f"/api/v1/nodes/{n.id}/readmit")
+            _wait(lambda n=n: n.id in {x.node_name for x in _ray_alive(cluster)}, 120, f"{n.id} to rejoin Ray")
+
+
+def _assert_resumed_from_checkpoint(client: VigilClient, job_id: str) -> None:
+    """After a restart the loss picks up near the checkpoint's loss, far below the initial loss."""
+    series = next(s for s in client.job_metrics(job_id, max_points=100_000).ranks if s.rank == 0)
+    rows = sorted(zip(series.ts, series.step, series.loss, strict=True))  # in the order they ran
+    ts, steps, losses = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    # A restart replays steps from the checkpoint (the step number goes back) or, when the checkpoint
+    # was the last step done, shows as the pause while Ray Train restarts the group.
+    restart = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1] or ts[i] - ts[i - 1] > 5.0), None)
+    assert restart is not None, f"no restart visible in rank 0's steps: {steps}"
+    resumed_step, resumed_loss = steps[restart], losses[restart]
+    first_loss = next(x for x in losses if x is not None)
+    before = [x for s, x in zip(steps[:restart], losses[:restart], strict=True)
+              if x is not None and resumed_step - 3 <= s <= resumed_step + 3]
+    assert resumed_loss is not None and before
+    assert resumed_loss < first_loss - 0.5, f"restarted from scratch: {resumed_loss:.3f} vs initial {first_loss:.3f}"
+    assert abs(resumed_loss - sum(before) / len(before)) < 0.6, (resumed_loss, before)
+
+
+def test_clean_run_has_no_incidents(client: VigilClient) -> None:
+    job = client.submit_job(_spec("clean", steps=60))
+    _finish(client, job.id)
+    assert _incidents(client, job.id) == []
+
+
+def test_kill_rank_via_api(client: VigilClient) -> None:
+    job = client.submit_job(_spec("kill-rank"))
+    _reach(client, job.id, 25)
+    node, pid = _rank_node(client, job.id, 1)
+    _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 25})
+    _finish(client, job.id)
+    inc = [i for i in _incidents(client, job.id) if i["kind"] == "rank_died"]
+    assert inc and inc[0]["rank"] == 1 and inc[0]["node_id"] == node and inc[0]["evidence"]["pid"] == pid
+    assert inc[0]["status"] == "RECOVERED"
+    _assert_resumed_from_checkpoint(client, job.id)
+
+
+def test_kill_9_from_outside(client: VigilClient) -> None:
+    job = client.submit_job(_spec("kill-9"))
+    _reach(client, job.id, 25)
+    node, pid = _rank_node(client, job.id, 0)
+    os.kill(pid, signal.SIGKILL)  # not through the API: a process dies on its own
+    _finish(client, job.id)
+    inc = [i for i in _incidents(client, job.id) if i["kind"] == "rank_died"]
+    assert inc and inc[0]["rank"] == 0 and inc[0]["node_id"] == node
+    _assert_resumed_from_checkpoint(client, job.id)
+
+
+def test_hang_is_diagnosed_by_stacks_and_node_evicted(client: VigilClient, cluster: LocalCluster) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("py-spy needs ptrace rights (root) to read another process's stacks")
+    try:
+        _hang(client, cluster)
+    finally:
+        _readmit_evicted(client, cluster)
+
+
+def _hang(client: VigilClient, cluster: LocalCluster) -> None:
+    job = client.submit_job(_spec("hang"))
+    _reach(client, job.id, 20)
+    node, _pid = _rank_node(client, job.id, 1)
+    _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 20})
+    hang = _wait(lambda: next((i for i in _incidents(client, job.id) if i["kind"] == "hang" and i["rank"] is not None),
+                              None), 120, "the hang to be diagnosed")
+    assert hang["rank"] == 1 and hang["node_id"] == node and hang["evidence"]["odd_ranks"] == [1]
+    stacks = client._request("GET", f"/api/v1/jobs/{job.id}/stacks")
+    assert stacks["odd_ranks"] == [1] and set(stacks["stacks"]) == {"0", "1"}
+    _finish(client, job.id)
+    assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "EVICTED"
+    for n in client.list_nodes().data:  # nothing of this job ran on the evicted node after the restart
+        if n.id == node:
+            assert not [r for r in n.ranks if r.job_id == job.id and r.alive]
+    _assert_resumed_from_checkpoint(client, job.id)
+
+
+def test_slow_rank_is_named_straggler_and_evicted(client: VigilClient, cluster: LocalCluster) -> None:
+    try:
+        _slow(client, cluster)
+    finally:
+        _readmit_evicted(client, cluster)
+
+
+def _slow(client: VigilClient, cluster: LocalCluster) -> None:
+    job = client.submit_job(_spec("slow", steps=120, ckpt=30))
+    _reach(client, job.id, 15)
+    node, _pid = _rank_node(client, job.id, 0)
+    _inject(client, job.id, {"kind": "slow_rank", "rank": 0, "step": 15, "params": {"factor": 4}})
+    _finish(client, job.id)
+    inc = [i for i in _incidents(client, job.id) if i["kind"] == "straggler"]
+    assert inc and inc[0]["rank"] == 0 and inc[0]["node_id"] == node
+    assert inc[0]["evidence"]["class"] == "compute-slow"
+    fired = next(f for f in client._request("GET", f"/api/v1/jobs/{job.id}/faults")["data"])
+    assert fired["status"] in ("FIRED", "CLEARED")
+    fired_step = int(fired["message"].split("(step ")[1].split(")")[0])  # the step it really fired at
+    detect_step = inc[0]["evidence"]["steps"][1]
+    assert detect_step - fired_step <= 20, "a 4x slower rank must be flagged within 20 steps"
+    assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "EVICTED"
+
+
+def _ray_alive(cluster: LocalCluster) -> list:
+    from ray.util.state import list_nodes
+
+    return [n for n in list_nodes(address=cluster.dashboard_url, raise_on_missing_output=False) if n.state == "ALIVE"]

@@ -1,0 +1,93 @@
+"""End to end: a real multi-node local Ray cluster (head + 2 worker raylets), a real agent per node,
+the real controller over HTTP with SQLite, and a 2-rank DDP AdamW job of a few dozen steps.
+
+The client carries the admin token `vigil up` wrote to <home>/admin-token (mode 600), as the CLI
+does; the agents and the job's driver carry the tokens `vigil up` and the controller gave them.
+
+Needs: nothing outside the venv (Ray token auth on, as `vigil up` runs it). Takes about a minute.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from controller.client import ApiError, VigilClient
+from controller.localcluster import free_port, start_local_cluster
+from controller.schemas import JobCreate, JobStatus
+from controller.settings import admin_token_path
+
+pytestmark = pytest.mark.slow
+
+
+def _wait_terminal(client: VigilClient, job_id: str, timeout: float) -> JobStatus:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.get_job(job_id).status
+        if status.is_terminal():
+            return status
+        time.sleep(1)
+    raise TimeoutError(f"job {job_id} still {status} after {timeout}s")
+
+
+def test_two_rank_job_end_to_end(tmp_path: Path) -> None:
+    cluster = start_local_cluster(tmp_path / "home", nodes=2, cpus_per_node=1, port=free_port())
+    tree: list[int] = []
+    try:
+        token_file = admin_token_path(tmp_path / "home")
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        with VigilClient(cluster.controller_url) as anonymous:
+            assert anonymous.health().status == "ok"  # /healthz stays open
+            with pytest.raises(ApiError) as refused:
+                anonymous.list_jobs()
+        assert refused.value.status_code == 401
+        client = VigilClient(cluster.controller_url, token=token_file.read_text().strip())
+        nodes = client.list_nodes()
+        assert {n.id for n in nodes.data} == set(cluster.node_ids) and len(cluster.node_ids) == 3
+
+        spec = JobCreate.model_validate({
+            "name": "e2e-ddp",
+            "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
+            "data": {"max_bytes": 300_000},
+            "optimizer": {"kind": "adamw", "lr": 0.01},
+            "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+            "steps": 40, "batch_size": 8,
+            "lr_schedule": {"kind": "constant", "warmup_steps": 0},
+        })
+        job = client.submit_job(spec)
+        assert client.get_job(job.id).name == "e2e-ddp"
+        # While it runs, remember every process of the cluster to check that stop() leaves none.
+        time.sleep(5)
+        tree = [p.pid for c in cluster.procs.children for p in psutil.Process(c.proc.pid).children(recursive=True)]
+        tree += [c.proc.pid for c in cluster.procs.children]
+
+        status = _wait_terminal(client, job.id, timeout=300)
+        final = client.get_job(job.id)
+        assert status == JobStatus.SUCCEEDED, f"{final.message}\n{client.job_logs(job.id).logs[-3000:]}"
+
+        metrics = client.job_metrics(job.id)
+        assert [s.rank for s in metrics.ranks] == [0, 1], "step metrics must arrive from every rank"
+        for series in metrics.ranks:
+            assert series.step == list(range(1, 41)) or series.step == list(range(40)), series.step
+            assert all(t > 0 for t in series.step_time_s)
+        losses = [x for x in metrics.ranks[0].loss if x is not None]
+        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        assert last < first - 0.3, f"loss did not fall: first {first:.3f}, last {last:.3f}"
+        assert final.last_step is not None and final.last_loss is not None
+
+        listed = client.list_jobs()
+        assert job.id in {j.id for j in listed.data}
+        events = [e.message for e in client.list_events(job_id=job.id).data]
+        assert "PENDING -> RUNNING" in events and "RUNNING -> SUCCEEDED" in events
+        assert "Running entrypoint" in client.job_logs(job.id).logs
+        (driver_token,) = [t for t in client.list_tokens().data if t.job_id == job.id]
+        assert driver_token.role.value == "job" and not driver_token.active  # revoked when the job ended
+        client.close()
+    finally:
+        cluster.stop()
+    time.sleep(1)
+    alive = [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"processes left behind: {alive}"

@@ -1,0 +1,106 @@
+"""End to end on `vigil up --netns`: worker nodes in network namespaces, a real job across them, a real
+network fault through the fault API, and the NIC detector naming the node.
+
+A head (in the host's namespace, no CPUs) plus 2 worker nodes, each in its own namespace with a
+veth ``eth0`` at 200 Mbit/s; the controller listens on 127.0.0.1 and the bridge address; every
+agent runs inside its node's namespace. A 2-rank DDP AdamW job runs across the two namespaced
+nodes with gloo on ``eth0``; a ``degrade_nic`` fault (25%) on one node is carried out by that
+node's agent, the monitor opens an incident naming it, clearing the fault restores the link, and
+stopping the cluster leaves no namespace, link or process behind.
+
+Needs: root and iproute2 (skipped otherwise, with the reason). Takes two to four minutes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from controller import netns
+from controller.localcluster import free_port, start_local_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(netns.unavailable_reason() is not None, reason=netns.unavailable_reason() or "")]
+
+API = "/api/v1"
+
+
+def _wait(what: str, cond, timeout: float, interval: float = 1.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"{what} (last: {last})")
+
+
+def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
+    cluster = start_local_cluster(tmp_path / "home", nodes=2, cpus_per_node=1, port=free_port(), netns=True,
+                                  link=netns.LinkSpec(rate="200mbit"), timeout=300)
+    assert cluster.netns is not None
+    record = cluster.netns.record()
+    tree: list[int] = []
+    try:
+        api = httpx.Client(base_url=cluster.controller_url + API, timeout=30,
+                           headers={"Authorization": f"Bearer {cluster.admin_token}"})
+
+        def nodes() -> dict[str, Any]:
+            return {n["id"]: n for n in api.get("/nodes").json()["data"]}
+
+        def link_rate(node: str) -> int | None:
+            return ((nodes()[node].get("host") or {}).get("link") or {}).get("rate_bps")
+
+        # Every worker node's agent reports from inside its namespace: its eth0, its shaped link.
+        _wait("agents' link data", lambda: link_rate("vigil-node-1") and link_rate("vigil-node-2"), 60)
+        ns = nodes()
+        for i in (1, 2):
+            n = ns[f"vigil-node-{i}"]
+            assert n["address"] == cluster.netns.node(i).address
+            assert "eth0" in n["host"]["nics"]["interfaces"] and link_rate(f"vigil-node-{i}") == 200_000_000
+        assert cluster.ray_address.startswith(cluster.netns.gateway)
+
+        spec = {"name": "netns-e2e", "model": {"n_layer": 2, "n_head": 2, "d_model": 96, "context": 32},
+                "data": {"max_bytes": 300_000}, "optimizer": {"kind": "adamw", "lr": 0.01},
+                "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+                "steps": 100000, "batch_size": 4, "lr_schedule": {"kind": "constant", "warmup_steps": 0},
+                "recovery": {"policy": "observe"}}
+        job = api.post("/jobs", json=spec).json()
+        job_id = job["id"]
+        _wait("20 steps", lambda: (api.get(f"/jobs/{job_id}").json().get("last_step") or 0) >= 20, 400, 2)
+        tree = [p.pid for c in cluster.procs.children for p in psutil.Process(c.proc.pid).children(recursive=True)]
+        tree += [c.proc.pid for c in cluster.procs.children]
+        # The ranks run on the two namespaced nodes (the head has no CPUs).
+        ranks = {r["rank"]: n["id"] for n in nodes().values() for r in n["ranks"] if r["job_id"] == job_id}
+        assert sorted(ranks.values()) == ["vigil-node-1", "vigil-node-2"], ranks
+
+        fault = api.post(f"/jobs/{job_id}/faults", json={"kind": "degrade_nic", "node_id": "vigil-node-2",
+                                                          "params": {"fraction": 0.25}}).json()
+        _wait("the agent to degrade the link", lambda: link_rate("vigil-node-2") == 50_000_000, 60)
+        incident = _wait("an incident naming vigil-node-2", lambda: [
+            i for i in api.get(f"/jobs/{job_id}/incidents").json()["data"] if i["node_id"] == "vigil-node-2"], 120)
+        inc = incident[0]
+        assert inc["kind"] in ("straggler", "nic_degraded"), inc
+        assert "capacity" in inc["evidence"]["nic_classes"], inc["evidence"]
+        if inc["kind"] == "straggler":
+            assert inc["evidence"]["class"] == "communication-slow" and inc["rank"] == next(
+                r for r, n in ranks.items() if n == "vigil-node-2")
+        others = [i for i in api.get(f"/jobs/{job_id}/incidents").json()["data"] if i["node_id"] != "vigil-node-2"]
+        assert others == [], others
+
+        api.post(f"/jobs/{job_id}/faults/{fault['id']}/clear")
+        _wait("the configured link back", lambda: link_rate("vigil-node-2") == 200_000_000, 60)
+        assert link_rate("vigil-node-1") == 200_000_000
+        api.post(f"/jobs/{job_id}/cancel")
+    finally:
+        cluster.stop()
+    time.sleep(1)
+    assert netns.leftovers(record) == []
+    left = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert left == [], left

@@ -1,0 +1,96 @@
+"""Loss and partition, carried out by the agent's code inside a real node namespace, seen from the wire.
+
+``nic_loss`` must make TCP retransmit (the drop happens after TCP handed the packet over) at about
+the asked rate, ``partition_node`` must stop every packet both ways while the link stays up and lift
+itself after its ``seconds``, and ``clear`` must give back the configured link.
+
+Needs: root, iproute2 (``ip``, ``tc``); skipped otherwise with the reason. About 30 s.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.netfaults import NetFaults
+from controller import netns
+from tests.netns.harness import agent_view, network, skip_reason
+
+pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(300)]
+
+SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5001)); s.listen(1)
+c, _ = s.accept(); n = 0
+while True:
+    d = c.recv(1 << 20)
+    if not d:
+        break
+    n += len(d)
+c.sendall(str(n).encode()); c.close()
+"""
+CLIENT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], 5001), timeout=float(sys.argv[3])); b = b"x" * (1 << 20)
+for _ in range(int(sys.argv[2])):
+    s.sendall(b)
+s.shutdown(socket.SHUT_WR); print(s.recv(64).decode())
+"""
+
+
+def _send(net: netns.NetnsCluster, mib: int, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    src, dst = net.node(1), net.node(2)
+    server = subprocess.Popen(dst.exec_argv([sys.executable, "-c", SERVER, dst.address]))
+    try:
+        time.sleep(0.5)
+        return subprocess.run(src.exec_argv([sys.executable, "-c", CLIENT, dst.address, str(mib), str(timeout)]),
+                              capture_output=True, text=True, timeout=timeout + 30, check=False)
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def _retransmits(node: netns.NodeNet) -> int:
+    r = subprocess.run(node.exec_argv(["cat", "/proc/net/snmp"]), capture_output=True, text=True, check=True)
+    head, values = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("Tcp:")][:2]
+    return int(values[head.index("RetransSegs")])
+
+
+def test_loss_makes_tcp_retransmit_and_clear_restores(tmp_path: Path) -> None:
+    with network(tmp_path, 2, netns.LinkSpec(rate="200mbit")) as net:
+        nf = NetFaults("eth0", net.link, netns=net.node(1).namespace)
+        clean0 = _retransmits(net.node(1))
+        assert _send(net, 16).stdout.strip() == str(16 << 20)
+        clean = _retransmits(net.node(1)) - clean0
+        ok, msg, _ = nf.run({"kind": "nic_loss", "percent": 3})
+        assert ok, msg
+        before = _retransmits(net.node(1))
+        sent = agent_view(net.node(1))["interfaces"]["eth0"]["tx_packets"]
+        assert _send(net, 16).stdout.strip() == str(16 << 20)  # TCP still delivers every byte
+        lost = _retransmits(net.node(1)) - before
+        packets = agent_view(net.node(1))["interfaces"]["eth0"]["tx_packets"] - sent
+        assert 0.01 * packets <= lost <= 0.08 * packets, (lost, packets)
+        assert clean <= 0.005 * packets, clean
+        ok, msg, out = nf.run({"kind": "clear"})
+        assert ok and out["link"] == out["configured"]
+        before = _retransmits(net.node(1))
+        assert _send(net, 8).stdout.strip() == str(8 << 20)
+        assert _retransmits(net.node(1)) - before <= 20
+
+
+def test_partition_drops_everything_and_lifts_itself(tmp_path: Path) -> None:
+    with network(tmp_path, 2, netns.LinkSpec(rate="200mbit")) as net:
+        nf = NetFaults("eth0", net.link, netns=net.node(2).namespace)
+        ok, msg, _ = nf.run({"kind": "partition_node", "seconds": 6})
+        assert ok, msg
+        t0 = time.monotonic()
+        r = _send(net, 1, timeout=2.0)
+        assert r.returncode != 0 and "timed out" in r.stderr  # no SYN-ACK: nothing gets through
+        assert agent_view(net.node(2))["interfaces"]["eth0"]["operstate"] == "up"  # a silent partition
+        time.sleep(max(0.0, 7.5 - (time.monotonic() - t0)))
+        assert not nf.current.partitioned
+        assert _send(net, 4).stdout.strip() == str(4 << 20)

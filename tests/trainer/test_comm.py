@@ -1,0 +1,114 @@
+"""The communication layer's accounting: payload, ring wire bytes, elements, timing, draining.
+
+Single-process tests need only torch; the 4-rank test runs gloo processes on 127.0.0.1 through
+``tests/trainer/optim/harness.py`` (free port, under a timeout). The CUDA-event path is exercised
+with stand-in events (no GPU here): records wait in ``_pending`` until ``drain``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.trainer.optim.harness import run_ranks
+from trainer.comm import Comm, _PendingCuda
+
+TIMEOUT = 120
+
+
+def _all_ops(rank: int, world: int) -> list[tuple]:
+    comm = Comm.from_process_group()
+    comm.set_step(3)
+    x = torch.full((8,), float(rank + 1))
+    comm.all_reduce(x, tag="ar")
+    out = torch.empty(8 * world)
+    comm.all_gather_into_tensor(out, torch.full((8,), float(rank)), tag="ag")
+    shard = torch.empty(2)
+    comm.reduce_scatter_tensor(shard, torch.ones(8), tag="rs")
+    a2a = torch.empty(8, dtype=torch.uint8)
+    comm.all_to_all_single(a2a, torch.full((8,), rank, dtype=torch.uint8), tag="a2a", elements=64)
+    b = torch.full((4,), float(rank))
+    comm.broadcast(b, src=1, tag="bc")
+    records = comm.drain()
+    assert comm.drain() == []
+    values = (x.tolist(), out.tolist(), shard.tolist(), a2a.tolist(), b.tolist())
+    return [(r.step, r.seq, r.op, r.tag, r.payload_bytes, r.wire_bytes, r.elements, r.duration_s > 0) for r in records] + [
+        values
+    ]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_bytes_and_results_of_every_collective_on_four_ranks() -> None:
+    per_rank = run_ranks(4, _all_ops, timeout=TIMEOUT)
+    for rank, res in enumerate(per_rank):
+        *records, (x, out, shard, a2a, b) = res
+        assert records == [
+            (3, 0, "all_reduce", "ar", 32, 48, 8, True),  # 2 (n-1)/n x 32 bytes
+            (3, 1, "all_gather", "ag", 32, 96, 8, True),  # this rank's 32 bytes to 3 peers
+            (3, 2, "reduce_scatter", "rs", 32, 24, 8, True),  # (n-1)/n of the input
+            (3, 3, "all_to_all", "a2a", 8, 6, 64, True),  # elements as given (e.g. 8 bytes of 1-bit values)
+            (3, 4, "broadcast", "bc", 16, 16, 4, True),
+        ]
+        assert x == [10.0] * 8
+        assert out == [float(r) for r in range(4) for _ in range(8)]
+        assert shard == [4.0, 4.0]
+        assert a2a == [r for r in range(4) for _ in range(2)]
+        assert b == [1.0] * 4
+
+
+def test_single_process_ops_are_local_and_still_recorded() -> None:
+    assert not dist.is_initialized()
+    comm = Comm.from_process_group()
+    assert (comm.rank, comm.world_size) == (0, 1)
+    out = torch.empty(4)
+    comm.all_gather_into_tensor(out, torch.arange(4.0), tag="w")
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    (rec,) = comm.drain()
+    assert (rec.op, rec.payload_bytes, rec.wire_bytes) == ("all_gather", 16, 0)
+
+
+def test_external_records_from_many_threads_get_unique_sequence_numbers() -> None:
+    comm = Comm()
+    comm.set_step(7)
+
+    def add() -> None:
+        for _ in range(200):
+            comm.record_external("all_reduce", tag="grads", payload_bytes=8, wire_bytes=8, elements=2, duration_s=0.1)
+
+    threads = [threading.Thread(target=add) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = comm.drain()
+    assert sorted(r.seq for r in records) == list(range(800))
+    assert {r.step for r in records} == {7}
+
+
+class _FakeEvent:
+    def __init__(self, t: float) -> None:
+        self.t = t
+        self.synced = False
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.t - self.t) * 1e3  # milliseconds, like torch.cuda.Event
+
+
+def test_cuda_timings_resolve_at_drain_in_call_order() -> None:
+    comm = Comm()
+    comm.set_step(2)
+    comm.record_external("all_reduce", payload_bytes=4, wire_bytes=0, elements=1, duration_s=0.5)  # seq 0
+    end = _FakeEvent(1.25)
+    comm._pending.append(_PendingCuda(2, 1, "all_gather", "world", "w", 4, 0, 1, _FakeEvent(1.0), end, 0.0))
+    comm._seq = 2
+    records = comm.drain()
+    assert [r.seq for r in records] == [0, 1]
+    assert end.synced  # the only place a device sync happens
+    assert records[1].duration_s == pytest.approx(0.25)
+    assert comm._pending == [] and comm.drain() == []

@@ -1,0 +1,133 @@
+"""The in-rank fault hook: the one-shot fault file, and a NaN loss injected in the real loop with the
+rollback that follows (no checkpoint of the NaN state; a restart lands on the last good one and the
+fault does not fire again).
+
+Single process (world size 1), CPU torch, files under pytest's tmp_path; the loop test trains the
+byte-level GPT for a few steps on the session's cached corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from controller.schemas import CheckpointSample, JobCreate, StepSample
+from trainer import checkpoint
+from trainer.comm import CollectiveRecord
+from trainer.faults import FIRED_SUFFIX, NAN_LOSS, FaultHook, fault_path
+from trainer.loop import RankContext, train
+
+
+def _write(path: Path, body: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(body if isinstance(body, str) else json.dumps(body))
+    os.replace(tmp, path)
+
+
+def test_fault_path_is_per_job_and_rank(tmp_path: Path) -> None:
+    assert fault_path(tmp_path, "job-1", 3) == tmp_path / "faults" / "job-1" / "rank-3.json"
+    assert ".." not in fault_path(tmp_path, "../../x", 0).relative_to(tmp_path).parts  # slugged
+
+
+def test_no_file_no_fault(tmp_path: Path) -> None:
+    hook = FaultHook(tmp_path / "rank-0.json")
+    assert [hook.check(s) for s in range(1, 4)] == [None, None, None]
+    assert FaultHook(None).check(1) is None
+
+
+def test_fires_once_at_its_step_and_is_renamed(tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.json"
+    _write(path, {"kind": NAN_LOSS, "step": 5, "fault_id": 9})
+    hook = FaultHook(path)
+    assert hook.check(3) is None and hook.check(4) is None and path.exists()
+    fault = hook.check(5)
+    assert fault is not None and (fault.kind, fault.step, fault.fault_id) == (NAN_LOSS, 5, 9)
+    assert not path.exists() and path.with_name(path.name + FIRED_SUFFIX).exists()
+    assert hook.check(6) is None
+    # After a rollback to a step before 5, a fresh hook (a restarted rank) does not fire it again.
+    restarted = FaultHook(path)
+    assert [restarted.check(s) for s in (3, 4, 5, 6)] == [None, None, None, None]
+
+
+def test_a_late_file_fires_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "rank-1.json"
+    hook = FaultHook(path)
+    assert hook.check(10) is None
+    _write(path, {"kind": NAN_LOSS, "step": 4})
+    fault = hook.check(11)
+    assert fault is not None and fault.step == 11 and fault.fault_id is None
+
+
+def test_bad_or_unknown_files_are_ignored_until_they_change(tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.json"
+    hook = FaultHook(path)
+    for body in ("{not json", {"kind": NAN_LOSS}, {"kind": NAN_LOSS, "step": "5"}, {"kind": "melt", "step": 1},
+                 {"kind": NAN_LOSS, "step": 1, "fault_id": "x"}):
+        _write(path, body)
+        assert hook.check(5) is None and path.exists(), body
+    _write(path, {"kind": NAN_LOSS, "step": 2, "fault_id": 1})  # fixed: read again, fires
+    assert hook.check(5) is not None
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.steps: list[StepSample] = []
+        self.checkpoints: list[CheckpointSample] = []
+
+    def send_step(self, sample: StepSample, records: Sequence[CollectiveRecord] = ()) -> None:
+        self.steps.append(sample)
+
+    def send_checkpoint(self, sample: CheckpointSample) -> None:
+        self.checkpoints.append(sample)
+
+    def close(self) -> None:
+        pass
+
+
+SPEC = JobCreate(
+    name="nan",
+    model={"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
+    data={"max_bytes": 100_000, "seed": 2},
+    optimizer={"kind": "adamw", "lr": 3e-3},
+    steps=8,
+    batch_size=4,
+    eval_interval=0,
+    checkpoint={"interval_steps": 2, "keep_last": 3},
+)
+
+
+def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refire(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    root, fault = tmp_path / "ckpt", fault_path(tmp_path / "run", "job-nan", 0)
+    _write(fault, {"kind": NAN_LOSS, "step": 5, "fault_id": 1})
+    sink = Sink()
+
+    def ctx(sink: Sink) -> RankContext:
+        return RankContext(rank=0, world_size=1, job_id="job-nan", telemetry=sink, checkpoint_root=root,
+                           fault_file=fault, cache_dir=corpus_cache)
+
+    first = train(SPEC, ctx(sink))
+    assert first.faults == [5]
+    assert all(first.losses[s] is not None for s in range(1, 5))
+    # The consequence is real: NaN gradients, NaN weights, every later loss NaN (None on the wire).
+    assert [first.losses[s] for s in range(5, 9)] == [None, None, None, None]
+    assert [s.loss for s in sink.steps][4:] == [None, None, None, None]
+    assert first.model is not None and not all(bool(p.isfinite().all()) for p in first.model.parameters())
+    # No checkpoint of a non-finite state: steps 6 and 8 were refused, 2 and 4 exist.
+    assert first.checkpoints == [2, 4] and first.skipped_checkpoints == [6, 8]
+    assert [s for s, _ in checkpoint.list_step_dirs(root)] == [2, 4]
+    assert [(c.step, c.valid) for c in sink.checkpoints] == [(2, True), (4, True)]
+    assert not fault.exists() and fault.with_name(fault.name + FIRED_SUFFIX).exists()
+
+    # Rollback: a restart restores step 4, the last good state, and the fault stays fired.
+    again = train(SPEC, ctx(Sink()))
+    assert again.start_step == 5 and again.faults == []
+    assert all(v is not None and math.isfinite(v) for v in again.losses.values())
+    assert again.checkpoints == [6, 8] and again.skipped_checkpoints == []
+    assert abs(again.losses[5] - first.losses[4]) < 0.5  # continues from the checkpoint's loss level
