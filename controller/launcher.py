@@ -123,6 +123,8 @@ class RayNode:
     name: str
     state: str  # ALIVE | DEAD
     draining: bool = False
+    is_head: bool = False
+    """The Ray head: GCS, job drivers and Ray Train controllers live there (never evicted)."""
 
 
 class ClusterControl(Protocol):
@@ -157,7 +159,8 @@ class RayClusterControl:
         except Exception as exc:
             raise LaunchError(f"could not list Ray nodes at {self.gcs_address}: {exc}") from exc
         return [
-            RayNode(node_id.hex(), info.node_name, "ALIVE" if info.state == GcsNodeInfo.ALIVE else "DEAD")
+            RayNode(node_id.hex(), info.node_name, "ALIVE" if info.state == GcsNodeInfo.ALIVE else "DEAD",
+                    is_head=bool(info.is_head_node))
             for node_id, info in infos.items()
         ]
 

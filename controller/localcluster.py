@@ -330,9 +330,9 @@ def start_local_cluster(
 
     ``netns``: every worker node (raylet and agent) in its own network namespace with a veth ``eth0``
     shaped as ``link`` (controller/netns.py); the head, the controller and the dashboard stay in the
-    host's namespace, on 127.0.0.1 for the user and on the bridge address for the nodes. The head then
-    has no CPUs, so ranks run only on namespaced nodes, where gloo uses ``eth0``. Without root (or
-    ``ip``/``tc``) it says why in one line and starts the plain cluster.
+    host's namespace, on 127.0.0.1 for the user and on the bridge address for the nodes. The head has
+    no CPUs either way, so ranks run only on worker nodes (namespaced: where gloo uses ``eth0``).
+    Without root (or ``ip``/``tc``) it says why in one line and starts the plain cluster.
     """
     home = home.resolve()
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="vigil-run-", dir="/tmp"))
@@ -362,7 +362,9 @@ def start_local_cluster(
     join_cmds: dict[str, list[str]] = {}
     try:
         common = ["--block", f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
-        head_cpus = 0 if net else cpus_per_node  # netns: ranks only where gloo has an eth0
+        # The head runs no ranks (as Ray advises for real clusters): it holds the GCS, every job's driver
+        # and Ray Train controller, and is the one node Vigil never evicts (recovery/monitor.py).
+        head_cpus = 0
         procs.start("ray-head", [ray_bin, "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_temp}",
                                  "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
                                  f"--dashboard-port={dash_port}", "--resources", json.dumps({"vigil_node_0": 1}),

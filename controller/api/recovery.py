@@ -11,7 +11,7 @@ from controller import jobs as job_service
 from controller.api.deps import JobId, NodeId, RowId, SessionDep
 from controller.models import Fault, Incident, Node, StackDump
 from controller.recovery import checkpoints, commands, faults
-from controller.recovery.monitor import evict_node, readmit_node
+from controller.recovery.monitor import HeadNodeError, evict_node, is_head_node, readmit_node
 from controller.recovery.stacks import group_stacks
 from controller.schemas import (
     ID_PATTERN,
@@ -139,6 +139,9 @@ def recover_job(job_id: JobId, body: RecoverRequest, session: SessionDep, reques
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job_id!r} is {job.status}, not RUNNING")
     if body.evict_node is not None:
         _node(session, body.evict_node)
+        if is_head_node(request.app.state.monitor.cluster, body.evict_node):
+            raise HTTPException(status.HTTP_409_CONFLICT,
+                                detail=f"evict_node: {body.evict_node!r} is the Ray head and is never evicted")
     inc = request.app.state.monitor.restart_job(session, job, body.reason, body.evict_node)
     return _incident_public(inc)
 
@@ -148,7 +151,10 @@ def evict(node_id: NodeId, session: SessionDep, request: Request,
           deadline_s: Annotated[float, Query(gt=0, le=3600)] = 5.0) -> dict:
     """Drain the node in Ray (its ranks checkpoint and restart elsewhere); it stays out until readmitted."""
     _node(session, node_id)
-    outcome = evict_node(session, request.app.state.monitor.cluster, node_id, "manual eviction", deadline_s)
+    try:
+        outcome = evict_node(session, request.app.state.monitor.cluster, node_id, "manual eviction", deadline_s)
+    except HeadNodeError as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from exc
     return {"node_id": node_id, "state": "EVICTED", "outcome": outcome}
 
 

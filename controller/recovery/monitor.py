@@ -226,14 +226,15 @@ class Monitor:
             inc.action = "observe: stacks collected, no action"
             return
         victims = odd or sorted(locs)
+        evicted = ""
         if inc.node_id and spec.recovery.policy == RecoveryPolicy.EVICT_RESTART:
-            self._evict(s, inc.node_id, f"hang of job {job.id} (rank {inc.rank})", inc)
+            evicted = (f", evicted {inc.node_id}" if self._evict(s, inc.node_id, f"hang of job {job.id} (rank {inc.rank})",
+                                                                inc) else f", {inc.node_id} is the Ray head: not evicted")
         for rank in victims:
             if rank in locs:
                 commands.enqueue(s, locs[rank].node_id, CommandKind.KILL_PID, {"pid": locs[rank].pid, "signal": 9},
                                  job_id=job.id, incident_id=inc.id)
-        self._act(s, inc, job, f"killed hung rank(s) {victims}" + (f", evicted {inc.node_id}" if inc.node_id and
-                  spec.recovery.policy == RecoveryPolicy.EVICT_RESTART else "") + "; Ray Train restarts the group")
+        self._act(s, inc, job, f"killed hung rank(s) {victims}{evicted}; Ray Train restarts the group")
 
     def _detect_stragglers(self, s: Session, job: Job, spec: JobCreate) -> None:
         if self._live_any(s, job.id):
@@ -291,8 +292,10 @@ class Monitor:
                 "ratio_to_own_history": round(own, 3), "excess_s": round(excess, 4),
                 "steps": [steps[-1], steps[0]]})
             if spec.recovery.policy == RecoveryPolicy.EVICT_RESTART and inc.node_id:
-                self._evict(s, inc.node_id, f"straggler rank {rank} of job {job.id}", inc)
-                self._act(s, inc, job, f"evicted {inc.node_id}; Ray Train restarts the group on healthy nodes")
+                if self._evict(s, inc.node_id, f"straggler rank {rank} of job {job.id}", inc):
+                    self._act(s, inc, job, f"evicted {inc.node_id}; Ray Train restarts the group on healthy nodes")
+                else:
+                    self._head_kept(inc)
             return
 
     # -- NIC detector hook (controller/recovery/nic.py, issue 6) -------------------------------------
@@ -307,8 +310,10 @@ class Monitor:
         for f in nic.incidents(findings):
             inc = self._open(s, f.kind, job.id, f.node_id, f.rank, f.evidence)
             if spec.recovery.policy == RecoveryPolicy.EVICT_RESTART:
-                self._evict(s, f.node_id, f"{f.cls} NIC of job {job.id}", inc)
-                self._act(s, inc, job, f"evicted {f.node_id}; Ray Train restarts the group on healthy nodes")
+                if self._evict(s, f.node_id, f"{f.cls} NIC of job {job.id}", inc):
+                    self._act(s, inc, job, f"evicted {f.node_id}; Ray Train restarts the group on healthy nodes")
+                else:
+                    self._head_kept(inc)
             return
 
     # -- follow-up: recovered? bounded restarts --------------------------------------------------------
@@ -406,8 +411,21 @@ class Monitor:
         self._restart_job(s, inc, job, f"manual: {reason}")
         return inc
 
-    def _evict(self, s: Session, node_id: str, reason: str, inc: Incident | None = None) -> None:
-        evict_node(s, self.cluster, node_id, reason, self.th.drain_deadline_s)
+    def _evict(self, s: Session, node_id: str, reason: str, inc: Incident | None = None) -> bool:
+        """Evict ``node_id``; False (and an event saying why) when it is the Ray head, which stays."""
+        try:
+            evict_node(s, self.cluster, node_id, reason, self.th.drain_deadline_s)
+        except HeadNodeError as exc:
+            record_event(s, "eviction_refused", str(exc), job_id=inc.job_id if inc else None, node_id=node_id,
+                         data={"incident_id": inc.id if inc else None, "reason": reason})
+            return False
+        return True
+
+    @staticmethod
+    def _head_kept(inc: Incident) -> None:
+        # A restart would land on the same slow node: the finding stays on record, the job runs on.
+        inc.status = IncidentStatus.CLOSED.value
+        inc.action = f"not evicted: {inc.node_id} is the Ray head (GCS, job drivers); the job runs on there"
 
     def _fail(self, s: Session, job: Job, reason: str) -> None:
         if self.launcher is not None and job.ray_job_id:
@@ -452,11 +470,33 @@ class Monitor:
                 log.exception("monitor step failed")
 
 
+class HeadNodeError(ValueError):
+    """Eviction refused: the node is the Ray head."""
+
+
+def is_head_node(cluster: ClusterControl | None, node_id: str) -> bool:
+    """Whether ``node_id`` is the live Ray head (unknown, e.g. Ray unreachable, counts as no)."""
+    if cluster is None:
+        return False
+    try:
+        return any(n.is_head for n in cluster.nodes() if n.name == node_id and n.state == "ALIVE")
+    except LaunchError:
+        return False
+
+
 def evict_node(s: Session, cluster: ClusterControl | None, node_id: str, reason: str, deadline_s: float) -> str:
-    """Drain ``node_id`` in Ray (ranks there checkpoint, then restart elsewhere) and mark it EVICTED."""
+    """Drain ``node_id`` in Ray (ranks there checkpoint, then restart elsewhere) and mark it EVICTED.
+
+    The Ray head is refused (HeadNodeError): the GCS, every job driver and every Ray Train controller
+    live there (Ray Train pins each worker group's synchronization actor to the driver's node), so a
+    drained head takes every job down with it instead of moving one job's ranks.
+    """
     node = s.get(Node, node_id)
     if node is None:
         raise LookupError(node_id)
+    if is_head_node(cluster, node_id):
+        raise HeadNodeError(f"node {node_id!r} is the Ray head (GCS, job drivers, Ray Train controllers) and is never "
+                            "evicted; run no ranks there (`ray start --head --num-cpus=0`) or replace the head")
     outcome = "marked evicted"
     if cluster is not None:
         try:

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from controller.app import create_app
-from controller.launcher import LaunchStatus
+from controller.launcher import LaunchStatus, RayNode
 from controller.recovery.monitor import Monitor, Thresholds
 from controller.recovery.stacks import group_stacks, signature
 from controller.schemas import JobStatus
@@ -30,13 +30,14 @@ API = "/api/v1"
 @dataclass
 class FakeCluster:
     drained: list[tuple[str, float]] = field(default_factory=list)
+    head: str = "vigil-node-0"
 
     def drain_node(self, node_name: str, deadline_s: float, reason: str) -> bool:
         self.drained.append((node_name, deadline_s))
         return True
 
-    def nodes(self) -> list:
-        return []
+    def nodes(self) -> list[RayNode]:
+        return [RayNode(f"id{i}", f"vigil-node-{i}", "ALIVE", is_head=f"vigil-node-{i}" == self.head) for i in range(3)]
 
 
 class Clock:
@@ -315,6 +316,30 @@ def test_manual_evict_readmit_and_recover(env: Env) -> None:
     r = env.client.post(f"{API}/jobs/{env.job_id}/recover", json={"reason": "operator"})
     assert r.status_code == 202 and r.json()["kind"] == "manual"
     assert env.client.post(f"{API}/nodes/nope/evict").status_code == 404
+
+
+def test_the_ray_head_is_never_evicted_by_hand(env: Env) -> None:
+    env.cluster.head = "vigil-node-2"
+    env.steps(1, 2)
+    r = env.client.post(f"{API}/nodes/vigil-node-2/evict")
+    assert r.status_code == 409 and "Ray head" in r.json()["detail"]
+    r = env.client.post(f"{API}/jobs/{env.job_id}/recover", json={"reason": "op", "evict_node": "vigil-node-2"})
+    assert r.status_code == 409 and "evict_node" in r.json()["detail"]
+    assert env.cluster.drained == [] and env.incidents() == []  # nothing half done
+    assert {n["id"]: n["state"] for n in env.client.get(f"{API}/nodes").json()["data"]}["vigil-node-2"] == "ALIVE"
+
+
+def test_straggler_on_the_ray_head_is_recorded_but_not_evicted(env: Env) -> None:
+    env.cluster.head = "vigil-node-2"
+    env.steps(1, 20)
+    env.steps(21, 32, compute={1: 0.15})
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["node_id"], i["status"]) for i in inc] == [
+        ("straggler", 1, "vigil-node-2", "CLOSED")]
+    assert "Ray head" in inc[0]["action"] and env.cluster.drained == []
+    events = [e for e in env.client.get(f"{API}/events").json()["data"] if e["kind"] == "eviction_refused"]
+    assert [e["node_id"] for e in events] == ["vigil-node-2"]
 
 
 @pytest.mark.parametrize(
