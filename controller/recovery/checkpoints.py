@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -14,7 +16,8 @@ def record_checkpoints(session: Session, samples: list[CheckpointSample]) -> Non
     for s in samples:
         row = session.scalar(select(Checkpoint).where(Checkpoint.job_id == s.job_id, Checkpoint.path == s.path))
         if row is None:
-            row = Checkpoint(job_id=s.job_id, path=s.path)
+            # created_at: when the rank finished writing it (the sample's time), not when it was heard of.
+            row = Checkpoint(job_id=s.job_id, path=s.path, created_at=datetime.fromtimestamp(s.ts, UTC))
             session.add(row)
         row.step = s.step
         row.valid = s.valid

@@ -93,6 +93,12 @@ def fire_due(session: Session) -> int:
     return fired
 
 
+SLOW_PERIOD_S = 0.02
+"""slow_rank's default stop/run cycle: short next to a step's compute phase, so every phase of every
+step is slowed alike. A cycle longer than the compute phase slows whichever phase the stop happens to
+fall into (often the collective, where the peers then wait as long): a slow step, not a slow rank."""
+
+
 def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
     locs = rank_locations(session, job.id)
     node_id = f.node_id
@@ -109,7 +115,7 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
     elif kind == FaultKind.SLOW_RANK:
         factor = float(f.params.get("factor", 3.0))
         cmd = (CommandKind.THROTTLE_PID, {"pid": loc.pid, "factor": factor,  # type: ignore[union-attr]
-                                          "period_s": float(f.params.get("period_s", 0.1))})
+                                          "period_s": float(f.params.get("period_s", SLOW_PERIOD_S))})
     elif kind == FaultKind.NAN_LOSS:
         cmd = (CommandKind.WRITE_FAULT_FILE, {"job_id": job.id, "rank": f.rank,
                                               "fault": {"kind": "nan_loss", "step": f.step, "fault_id": f.id}})

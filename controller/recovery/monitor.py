@@ -14,6 +14,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controller.db import session_scope
 from controller.jobs import record_event, transition
 from controller.launcher import ClusterControl, JobLauncher, LaunchError
-from controller.models import Incident, Job, Node, StackDump, StepMetric
+from controller.models import Checkpoint, Incident, Job, Node, StackDump, StepMetric
 from controller.recovery import commands, faults, nic
 from controller.recovery.stacks import group_stacks
 from controller.schemas import (
@@ -55,6 +56,7 @@ class Thresholds:
     straggler_m: int = 10
     straggler_min_excess_s: float = 0.025  # ... and its compute exceeds its peers' by this much ...
     straggler_min_share: float = 0.25  # ... and by this share of the median step time
+    checkpoint_settle_s: float = 0.25  # straggler scoring resumes this long after a checkpoint completes
     spike_ratio: float = 3.0  # loss above this x the median of the recent window: a spike
     drain_deadline_s: float = 5.0  # eviction: ranks on the node get this long to checkpoint
     restart_gap_s: float = 5.0  # a pause this long in a job's steps after an action counts as its restart
@@ -241,17 +243,16 @@ class Monitor:
             return
         th = self.th
         rows = s.execute(
-            select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s, StepMetric.comm_s)
+            select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s, StepMetric.ts)
             .where(StepMetric.job_id == job.id).order_by(StepMetric.id.desc()).limit(th.straggler_m * 3 * 64)
         ).all()
         by_step: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
+        step_ts: dict[int, float] = {}
         for r in rows:  # newest first: after a restart, a replayed step keeps the new incarnation's row
             by_step[r.step].setdefault(r.rank, (r.fwd_bwd_s or 0.0, r.step_time_s or 0.0))
-        # Steps right after a checkpoint are left out: the rank that writes it (rank 0 computes the
-        # manifest's checksums) is busy on purpose there, and must not look like a straggler.
-        interval = spec.checkpoint.interval_steps
-        busy = (lambda st: (st % interval) <= interval // 3) if interval > 1 else (lambda st: False)
-        steps = sorted((st for st, ranks in by_step.items() if len(ranks) >= 2 and not busy(st)),
+            step_ts.setdefault(r.step, r.ts)
+        busy = self._checkpoint_busy(s, job.id, spec.checkpoint.interval_steps)
+        steps = sorted((st for st, ranks in by_step.items() if len(ranks) >= 2 and not busy(st, step_ts[st])),
                        reverse=True)[: th.straggler_m]
         if len(steps) < th.straggler_m:
             return
@@ -297,6 +298,28 @@ class Monitor:
                 else:
                     self._head_kept(inc)
             return
+
+    def _checkpoint_busy(self, s: Session, job_id: str, interval: int) -> Callable[[int, float], bool]:
+        """Whether a step (number, time) falls in a checkpoint's shadow, where it is not scored.
+
+        The rank that writes a checkpoint (rank 0 computes the manifest's checksums, an async save runs
+        beside the next steps) is busy on purpose and must not look like a straggler. A step is in the
+        shadow when it is within a third of the interval after a checkpoint step, unless that checkpoint
+        is known complete (its sample's time) more than ``checkpoint_settle_s`` before the step ran.
+        """
+        if interval <= 1:
+            return lambda st, ts: False
+        done = {step: (c if c.tzinfo else c.replace(tzinfo=UTC)).timestamp() for step, c in s.execute(
+            select(Checkpoint.step, Checkpoint.created_at).where(Checkpoint.job_id == job_id)).all()}
+        settle = self.th.checkpoint_settle_s
+
+        def busy(st: int, ts: float) -> bool:
+            if st % interval > interval // 3:
+                return False
+            finished = done.get(st - st % interval)
+            return finished is None or ts <= finished + settle
+
+        return busy
 
     # -- NIC detector hook (controller/recovery/nic.py, issue 6) -------------------------------------
     def _detect_nic(self, s: Session, job: Job, spec: JobCreate, now: float) -> None:

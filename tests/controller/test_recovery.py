@@ -101,7 +101,7 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[Env]:
+def env(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Env]:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
     launcher, cluster, clock = FakeLauncher(), FakeCluster(), Clock()
     app = create_app(settings, launcher, cluster=cluster, background=False, mount_dashboard=False)
@@ -110,7 +110,7 @@ def env(tmp_path: Path) -> Iterator[Env]:
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         e = Env(c, monitor, clock, cluster, launcher)
         spec = {"name": "r", "steps": 1000, "scaling": {"min_workers": 2, "max_workers": 2},
-                "recovery": {"policy": "evict_restart", "max_restarts": 2}}
+                "recovery": {"policy": "evict_restart", "max_restarts": 2}, **getattr(request, "param", {})}
         e.job_id = c.post(f"{API}/jobs", json=spec).json()["id"]
         app.state.supervisor.step()
         launcher.statuses[f"fake-{e.job_id}"] = LaunchStatus(JobStatus.RUNNING)
@@ -239,6 +239,21 @@ def test_persistent_compute_straggler_is_named_and_evicted(env: Env) -> None:
     assert inc[0]["evidence"]["median_ratio_to_peers"] == pytest.approx(3.0)
     assert inc[0]["evidence"]["ratio_to_own_history"] == pytest.approx(3.0)
     assert env.cluster.drained == [("vigil-node-2", 5.0)]
+
+
+@pytest.mark.parametrize("env", [{"checkpoint": {"interval_steps": 100}}], indirect=True)
+def test_checkpoint_shadow_is_not_scored_until_the_checkpoint_completed(env: Env) -> None:
+    env.steps(1, 100)
+    at_100 = env.clock.now
+    env.steps(101, 115, compute={1: 0.15})  # rank 1 busy right after the checkpoint at step 100
+    env.monitor.step()
+    assert env.incidents() == []  # in the shadow: the checkpoint is not known complete
+    env.post([{"kind": "checkpoint", "job_id": env.job_id, "rank": 0, "step": 100, "ts": at_100 + 0.1,
+               "path": "/ckpt/step-100", "world_size": 2}], "vigil-node-1")
+    env.monitor.step()  # complete at step 100 + 0.1 s: steps from 0.35 s on are scored, the newest 10: 106..115
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"]) for i in inc] == [("straggler", 1)]
+    assert inc[0]["evidence"]["steps"] == [106, 115]
 
 
 def test_rank_always_behind_its_peers_is_an_imbalance_not_a_straggler(env: Env) -> None:
