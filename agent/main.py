@@ -41,7 +41,7 @@ from agent.commands import (
     CommandTransport,
     ExecutorConfig,
 )
-from agent.receiver import Receiver, SampleBuffer, SocketInUseError
+from agent.receiver import ExitWatcher, Receiver, RankTracker, SampleBuffer, SocketInUseError
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
 from controller.client import VigilClient
@@ -223,7 +223,9 @@ class Agent:
         self.node_lost = threading.Event()
         self.address = config.address or local_address_towards(config.controller_url)
         self.buffer = SampleBuffer(capacity=config.max_buffered_samples, wake_at=config.max_batch_items)
-        self.receiver = Receiver(config.socket_path, self.buffer)
+        # Exact exit times of the ranks' processes: names the rank that died first (receiver.ExitWatcher).
+        self.exits = ExitWatcher()
+        self.receiver = Receiver(config.socket_path, self.buffer, ranks=RankTracker(exits=self.exits))
         # The spool first: it refuses a folder another agent holds, before anything else is opened.
         self.spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
         self._client: VigilClient | None = None
@@ -380,8 +382,9 @@ class Agent:
         log.info("agent %s stopped (next batch number %d)", self.config.agent_id, self.spool.next_seq)
 
     def close(self) -> None:
-        """Release the spool lock and the HTTP client (no flush)."""
+        """Release the spool lock, the exit watcher and the HTTP client (no flush)."""
         self.spool.close()
+        self.exits.close()
         for client in (self._client, self._command_client):
             if client is not None:
                 client.close()

@@ -132,6 +132,92 @@ class _RankSeen:
     dead_since: float | None = None  # unix time this tracker first found the process gone
 
 
+class ExitWatcher:
+    """When watched processes exit, to the millisecond: a Linux pidfd turns readable when its process
+    ends, and one thread polls them all.
+
+    When one rank of a worker group dies, the framework takes its peers down within a second, so
+    which rank died *first* (the culprit) is decided by sub-second differences that a liveness check
+    at heartbeat time cannot see. Without ``os.pidfd_open`` (not Linux, or kernels before 5.3) it
+    watches nothing and callers fall back to the time they noticed the death.
+    """
+
+    def __init__(self, wall_clock: Callable[[], float] = time.time) -> None:
+        self.supported = hasattr(os, "pidfd_open")
+        self._wall_clock = wall_clock
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self._exited: dict[int, float] = {}  # pid -> unix time of its exit
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe() if self.supported else (-1, -1)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pid: int) -> None:
+        if not self.supported or self._closed:
+            return
+        with self._lock:
+            if pid in self._fds or pid in self._exited:
+                return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # already gone (its death is noticed the slow way), or not ours to watch
+            return
+        with self._lock:
+            if pid in self._fds:
+                os.close(fd)
+                return
+            self._fds[pid] = fd
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vigil-agent-exits", daemon=True)
+                self._thread.start()
+        os.write(self._wake_w, b"w")  # poll the new fd now
+
+    def exited_at(self, pid: int) -> float | None:
+        with self._lock:
+            return self._exited.get(pid)
+
+    def forget(self, pid: int) -> None:
+        with self._lock:
+            self._exited.pop(pid, None)
+            fd = self._fds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        if not self.supported or self._closed:
+            return
+        self._closed = True
+        os.write(self._wake_w, b"q")
+        if self._thread is not None:
+            self._thread.join(5)
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in [*fds, self._wake_r, self._wake_w]:
+            os.close(fd)
+
+    def _run(self) -> None:
+        import select
+
+        while not self._closed:
+            with self._lock:
+                by_fd = {fd: pid for pid, fd in self._fds.items()}
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
+            for fd, _event in poller.poll():
+                if fd == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                    continue
+                now = self._wall_clock()
+                with self._lock:
+                    pid = by_fd[fd]
+                    if self._fds.get(pid) == fd:
+                        del self._fds[pid]
+                        self._exited[pid] = now
+                        os.close(fd)
+
+
 class RankTracker:
     """Which process runs each (job_id, rank), from the ``pid`` field of step samples.
 
@@ -148,7 +234,9 @@ class RankTracker:
         capacity: int = MAX_TRACKED_RANKS,
         start_time: Callable[[int], float | None] = process_start_time,
         wall_clock: Callable[[], float] = time.time,
+        exits: ExitWatcher | None = None,
     ) -> None:
+        self._exits = exits
         self._is_alive = is_alive
         self._clock = clock
         self._wall_clock = wall_clock
@@ -168,6 +256,8 @@ class RankTracker:
                 continue
             if known.get((s.job_id, s.rank)) != s.pid:
                 started[s.pid] = self._start_time(s.pid)
+                if self._exits is not None:
+                    self._exits.watch(s.pid)
         with self._lock:
             for s in samples:
                 if isinstance(s, StepSample) and s.pid is not None:
@@ -217,7 +307,8 @@ class RankTracker:
             if not alive and seen.dead_since is None:
                 # When the death was first seen: when a worker group dies, the rank that died first
                 # is the culprit and the others were taken down after it.
-                seen.dead_since = self._wall_clock()
+                exited = self._exits.exited_at(seen.pid) if self._exits is not None else None
+                seen.dead_since = exited if exited is not None else self._wall_clock()
             out.append(RankProcess(job_id=job_id, rank=rank, pid=seen.pid, alive=alive,
                                    dead_since=None if alive else seen.dead_since))
         if forget:
@@ -226,6 +317,8 @@ class RankTracker:
                     latest = self._ranks.get(key)  # a new sample may have come in meanwhile
                     if latest is not None and now - latest.last_seen > self._forget_after:
                         del self._ranks[key]
+                        if self._exits is not None:
+                            self._exits.forget(latest.pid)
         return out
 
 

@@ -10,10 +10,12 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
 from agent.receiver import (
+    ExitWatcher,
     RankTracker,
     Receiver,
     SampleBuffer,
@@ -155,6 +157,34 @@ def test_rank_tracker_follows_a_restarted_rank():
     tracker.observe([StepSample.model_validate(step_dict(0, rank=0, pid=100))])
     tracker.observe([StepSample.model_validate(step_dict(9, rank=0, pid=101))])
     assert [(p.rank, p.pid) for p in tracker.processes()] == [(0, 101)]
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux >= 5.3 only")
+def test_exit_watcher_orders_deaths_seen_in_one_check():
+    """Two real processes die 0.5 s apart; the tracker looks only afterwards, once. The watcher's exit
+    times still say which died first (a check-time stamp would give both the same time)."""
+    first, second = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    exits = ExitWatcher()
+    tracker = RankTracker(exits=exits)
+    try:
+        tracker.observe([StepSample.model_validate(step_dict(0, rank=r, pid=p.pid))
+                         for r, p in ((0, first), (1, second))])
+        first.kill()
+        first.wait()
+        time.sleep(0.5)
+        second.kill()
+        second.wait()
+        time.sleep(0.3)
+        checked = time.time()
+        dead = {p.rank: p.dead_since for p in tracker.processes() if not p.alive}
+        assert set(dead) == {0, 1}
+        assert dead[1] - dead[0] == pytest.approx(0.5, abs=0.2)
+        assert dead[1] < checked - 0.1
+    finally:
+        exits.close()
+        for p in (first, second):
+            p.kill()
+            p.wait()
 
 
 def test_process_alive_on_real_processes():
