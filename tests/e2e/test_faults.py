@@ -1,4 +1,4 @@
-"""End to end: every fault kind on a real local Ray cluster (head + 3 worker raylets, one CPU each),
+"""End to end: every fault kind on a real local Ray cluster (head with no CPUs + 4 worker raylets, one CPU each),
 real agents carrying out the faults on real processes, the real controller detecting and recovering.
 
 For each fault: the job ends SUCCEEDED, the right node/rank is named, no rank runs on an evicted node
@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 from controller.client import VigilClient
@@ -30,7 +31,7 @@ CKPT = 10
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_local_cluster(tmp_path_factory.mktemp("faults") / "home", nodes=3, cpus_per_node=1, port=free_port())
+    c = start_local_cluster(tmp_path_factory.mktemp("faults") / "home", nodes=4, cpus_per_node=1, port=free_port())
     try:
         yield c
     finally:
@@ -208,6 +209,79 @@ def _slow(client: VigilClient, cluster: LocalCluster) -> None:
     detect_step = inc[0]["evidence"]["steps"][1]
     assert detect_step - fired_step <= 20, "a 4x slower rank must be flagged within 20 steps"
     assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "EVICTED"
+
+
+# The node-killing tests come last: the nodes they take down stay down (a dead host is gone).
+
+def test_nan_loss_rolls_back(client: VigilClient) -> None:
+    job = client.submit_job(_spec("nan", policy="rollback"))
+    _reach(client, job.id, 5)
+    _inject(client, job.id, {"kind": "nan_loss", "rank": 0, "step": 35})
+    _finish(client, job.id)
+    inc = [i for i in _incidents(client, job.id) if i["kind"] == "nan_loss"]
+    assert inc and inc[0]["evidence"]["step"] >= 35 and inc[0]["status"] == "RECOVERED"
+    final = client.get_job(job.id)
+    assert final.last_loss is not None and final.last_loss == final.last_loss  # finite at the end
+    _assert_resumed_from_checkpoint(client, job.id)
+
+
+def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient) -> None:
+    # The corrupted checkpoint must be the newest when the group restarts: freeze the job first (rank 1
+    # stopped: no step, so no checkpoint, can complete; policy observe: Vigil leaves the hang alone),
+    # corrupt the newest checkpoint, then kill the stopped rank so that Ray Train restarts the group.
+    job = client.submit_job(_spec("corrupt", policy="observe"))
+    _reach(client, job.id, 25)
+    _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 25})
+    _wait(lambda: _frozen(client, job.id), 60, "the job to stop making progress")
+    time.sleep(3)  # the last checkpoint's sample reaches the controller
+    newest = max(c["step"] for c in client._request("GET", f"/api/v1/jobs/{job.id}/checkpoints")["data"])
+    corrupt = _inject(client, job.id, {"kind": "corrupt_checkpoint", "step": 0})
+    _wait(lambda: _fault(client, job.id, corrupt["id"])["status"] == "FIRED", 60, "the corruption")
+    _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 0})
+    _finish(client, job.id)
+    cks = {c["step"]: c["valid"] for c in client._request("GET", f"/api/v1/jobs/{job.id}/checkpoints")["data"]}
+    assert cks[newest] is False, f"the corrupt checkpoint at step {newest} was not found out: {cks}"
+    _assert_resumed_from_checkpoint(client, job.id)
+
+
+def _frozen(client: VigilClient, job_id: str) -> bool:
+    before = client.get_job(job_id).last_step
+    time.sleep(2)
+    return client.get_job(job_id).last_step == before
+
+
+def _fault(client: VigilClient, job_id: str, fault_id: int) -> dict:
+    return next(f for f in client._request("GET", f"/api/v1/jobs/{job_id}/faults")["data"] if f["id"] == fault_id)
+
+
+def test_kill_node_via_api(client: VigilClient) -> None:
+    job = client.submit_job(_spec("kill-node"))
+    _reach(client, job.id, 25)
+    rank, node, _pid = _worker_rank(client, job.id)
+    _inject(client, job.id, {"kind": "kill_node", "rank": rank, "step": 25})
+    _finish(client, job.id)
+    inc = [i for i in _incidents(client, job.id) if i["kind"] == "node_lost"]
+    assert inc and inc[0]["node_id"] == node
+    assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "DEAD"
+    _assert_resumed_from_checkpoint(client, job.id)
+
+
+def test_ray_node_removed_from_outside(client: VigilClient, cluster: LocalCluster) -> None:
+    job = client.submit_job(_spec("remove-node"))
+    _reach(client, job.id, 25)
+    _rank, node, _pid = _worker_rank(client, job.id)
+    # Remove the Ray node and its agent, as a host that dies would: kill their process trees.
+    for child in cluster.procs.children:
+        if child.name in (f"ray-node-{node.rsplit('-', 1)[1]}", f"agent-{node.rsplit('-', 1)[1]}"):
+            for p in [*psutil.Process(child.proc.pid).children(recursive=True), psutil.Process(child.proc.pid)]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+    _finish(client, job.id)
+    inc = [i for i in _incidents(client, job.id) if i["kind"] == "node_lost"]
+    assert inc and inc[0]["node_id"] == node
+    _assert_resumed_from_checkpoint(client, job.id)
 
 
 def _ray_alive(cluster: LocalCluster) -> list:
