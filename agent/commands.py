@@ -365,6 +365,9 @@ class FaultFileArgs(_Args):
 
 class CorruptArgs(_Args):
     path: str = Field(..., min_length=1, max_length=4096)
+    newest_under: bool = Field(False, description="path is a folder of checkpoints: corrupt the newest complete one "
+                                                   "(the highest-numbered subfolder holding a manifest) as storage "
+                                                   "has it now, which the controller may not have heard of yet.")
 
 
 class PyspyArgs(_Args):
@@ -661,6 +664,8 @@ class CommandExecutor:
         a: CorruptArgs = _validate(CorruptArgs, args)
         root = self.config.storage_root.resolve()
         target = self._inside_storage(a.path)
+        if a.newest_under:
+            target = self._newest_complete(target)
         files: list[Path] = []
         if target.is_dir():
             for dirpath, dirnames, filenames in os.walk(target, followlinks=False):
@@ -694,6 +699,21 @@ class CommandExecutor:
             + (f" ({len(already)} already corrupted)" if already else ""),
             output=output,
         )
+
+    def _newest_complete(self, folder: Path) -> Path:
+        """The highest-numbered subfolder of ``folder`` (``step-00000030``: by its trailing number) that
+        holds a manifest, i.e. a checkpoint its writer finished."""
+        if not folder.is_dir():
+            raise CommandError(f"newest_under: {folder} is not a folder")
+        found: list[tuple[int, str, Path]] = []
+        for sub in folder.iterdir():
+            digits = sub.name.rsplit("-", 1)[-1].rsplit("_", 1)[-1]
+            if not sub.is_symlink() and sub.is_dir() and digits.isdigit() and any(
+                    MANIFEST_MARKER in f.name.lower() for f in sub.iterdir() if f.is_file()):
+                found.append((int(digits), sub.name, sub))
+        if not found:
+            raise CommandError(f"newest_under: no complete checkpoint (a numbered folder with a manifest) in {folder}")
+        return self._inside_storage(str(max(found)[2]))
 
     @staticmethod
     def _corrupt_one(path: Path, root: Path) -> str:

@@ -41,7 +41,7 @@ from agent.commands import (
     CommandTransport,
     ExecutorConfig,
 )
-from agent.receiver import ExitWatcher, Receiver, RankTracker, SampleBuffer, SocketInUseError
+from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer, SocketInUseError
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
 from controller.client import VigilClient

@@ -824,6 +824,7 @@ class IncidentPublic(BaseModel):
     rank: int | None
     evidence: dict[str, Any]
     action: str | None
+    step_at_detect: int | None = Field(None, description="The job's newest step when the incident was opened.")
     detected_at: datetime
     acted_at: datetime | None
     recovered_at: datetime | None

@@ -1,10 +1,10 @@
 """``vigil bench recovery``: time to detect and to recover from each fault kind on a real local cluster.
 
-Starts a local Vigil (head + 3 worker raylets, one CPU each, real agents and controller), then runs
+Starts a local Vigil (head with no CPUs + 3 worker raylets, one CPU each, real agents and controller), then runs
 one 2-rank job per fault kind, injects the fault through the API (or from outside for ``kill_9``
 and ``remove_node``), and reads the controller's incidents:
 
-- ``time_to_detect_s``: fault fired -> incident detected;
+- ``time_to_detect_s``: fault fired -> incident detected (``steps_to_detect``: the same in rank 0's steps);
 - ``time_to_recover_s``: fault fired -> the first step the job ran after restoring;
 - ``lost_steps``: steps run twice because of the restart (last step before the fault, minus the
   step the job resumed after);
@@ -72,8 +72,9 @@ def _wait(cond, timeout: float, interval: float = 1.0):  # type: ignore[no-untyp
 
 
 class Runner:
-    def __init__(self, cluster: LocalCluster) -> None:
+    def __init__(self, cluster: LocalCluster, slow_factor: float = 2.0) -> None:
         self.cluster = cluster
+        self.slow_factor = slow_factor
         self.client = VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30)
 
     def get(self, path: str, **params: Any) -> Any:
@@ -120,7 +121,8 @@ class Runner:
         policy = "rollback" if kind == "nan_loss" else "evict_restart"
         job = self.client.submit_job(job_spec(f"bench-{kind}", steps, policy))
         out: dict[str, Any] = {"kind": kind, "job_id": job.id, "detected": False, "culprit_correct": False,
-                               "time_to_detect_s": None, "time_to_recover_s": None, "lost_steps": None}
+                               "time_to_detect_s": None, "steps_to_detect": None, "time_to_recover_s": None,
+                               "lost_steps": None}
         if not self.reach(job.id, at):
             out["error"] = "job did not reach the fault step"
             return out
@@ -141,7 +143,7 @@ class Runner:
         else:
             body: dict[str, Any] = {"kind": kind, "rank": target_rank, "step": at}
             if kind == "slow_rank":
-                body["params"] = {"factor": 3}
+                body["params"] = {"factor": self.slow_factor}
             if kind == "nan_loss":
                 body["step"] = at + 3
             self.post(f"/jobs/{job.id}/faults", body)
@@ -165,6 +167,10 @@ class Runner:
             out["culprit_correct"] = inc["node_id"] == node
         else:
             out["culprit_correct"] = inc["rank"] == target_rank and inc["node_id"] == node
+        steps_run, ts_run, _ = self.rank0_series(job.id)
+        fired_step = max((st for st, t in zip(steps_run, ts_run, strict=True) if t <= fired), default=None)
+        if fired_step is not None and inc.get("step_at_detect") is not None:
+            out["steps_to_detect"] = inc["step_at_detect"] - fired_step
         restart_ts, lost = self.restart_point(job.id, fired)
         if restart_ts is not None:
             out["time_to_recover_s"] = round(restart_ts - fired, 2)
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="Comma-separated fault kinds (kill_node/remove_node last: they shrink the cluster).")
     p.add_argument("--clean-steps", type=int, default=None, help="Steps of the clean run (default 1000; quick 200).")
     p.add_argument("--fault-every", type=int, default=40, help="ETTR run: a kill_rank every N steps.")
+    p.add_argument("--slow-factor", type=float, default=2.0, help="slow_rank: how many times slower the rank runs.")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     steps, at = (70, 20) if args.quick else (120, 30)
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     cluster = start_local_cluster(home, nodes=3, cpus_per_node=1, port=free_port())
     try:
-        r = Runner(cluster)
+        r = Runner(cluster, slow_factor=args.slow_factor)
         results = [r.run_fault(k.strip(), steps, at) for k in args.kinds.split(",") if k.strip()]
         clean = r.clean_run(clean_steps) if clean_steps > 0 else None
         ettr = r.ettr(3 * args.fault_every + 20, args.fault_every) if not args.quick else None
@@ -254,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{'kind':<12} {'detected':>8} {'culprit':>8} {'detect s':>9} {'recover s':>10} {'lost':>5}")
+        print(f"{'kind':<12} {'detected':>8} {'culprit':>8} {'detect s':>9} {'steps':>6} {'recover s':>10} {'lost':>5}")
         for f in results:
             print(f"{f['kind']:<12} {f['detected']!s:>8} {f['culprit_correct']!s:>8} {f['time_to_detect_s']!s:>9} "
-                  f"{f['time_to_recover_s']!s:>10} {f['lost_steps']!s:>5}")
+                  f"{f['steps_to_detect']!s:>6} {f['time_to_recover_s']!s:>10} {f['lost_steps']!s:>5}")
         print(f"false positives over {clean_steps} clean steps: {out['false_positives_clean_run']}; "
               f"ETTR: {out['ettr']}")
     return 0

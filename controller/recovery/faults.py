@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import PurePosixPath
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -126,7 +127,10 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
         if ck is None:
             return False  # wait for a checkpoint to exist
         node_id = node_id or (locs[0].node_id if 0 in locs else _any_alive_node(session))
-        cmd = (CommandKind.CORRUPT_FILES, {"path": ck.path, "step": ck.step})
+        # The newest complete checkpoint on storage, which is what a restart reads: the newest one the
+        # controller knows of may be older (a rank reports a checkpoint only at its next sync point).
+        cmd = (CommandKind.CORRUPT_FILES, {"path": str(PurePosixPath(ck.path).parent), "newest_under": True,
+                                           "known_step": ck.step})
     elif kind in NETWORK_KINDS:
         node_id = node_id or (loc.node_id if loc else None)
         cmd = (CommandKind.SHAPE_NIC, {"kind": kind.value, **f.params})

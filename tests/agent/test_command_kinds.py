@@ -305,6 +305,24 @@ def test_corrupt_files_changes_the_middle_of_data_files_only(executor, tmp_path)
     assert {n: (ckpt / n).read_bytes() for n in before} == snapshot
 
 
+def test_corrupt_newest_complete_checkpoint_under_a_folder(executor, tmp_path):
+    root = tmp_path / "storage" / "job_x" / "checkpoints"
+    old, newest = make_checkpoint(root / "step-00000020"), make_checkpoint(root / "step-00000100")
+    partial = root / "step-00000110"  # being written: no manifest yet
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x" * 400)
+    r = executor.run(CommandKind.CORRUPT_FILES, {"path": str(root), "newest_under": True})
+    assert r.ok, r
+    assert r.output["path"] == str((root / "step-00000100").resolve())
+    assert (root / "step-00000100" / "__0_0.distcp").read_bytes() != newest["__0_0.distcp"]
+    assert (root / "step-00000020" / "__0_0.distcp").read_bytes() == old["__0_0.distcp"]
+    assert (partial / "__0_0.distcp").read_bytes() == b"x" * 400
+    empty = tmp_path / "storage" / "job_y"
+    empty.mkdir()
+    r = executor.run(CommandKind.CORRUPT_FILES, {"path": str(empty), "newest_under": True})
+    assert not r.ok and "no complete checkpoint" in r.message
+
+
 def test_corrupt_files_refuses_paths_outside_the_storage_root(executor, tmp_path):
     outside = tmp_path / "outside"
     original = make_checkpoint(outside)

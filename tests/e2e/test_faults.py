@@ -225,7 +225,7 @@ def test_nan_loss_rolls_back(client: VigilClient) -> None:
     _assert_resumed_from_checkpoint(client, job.id)
 
 
-def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient) -> None:
+def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: LocalCluster) -> None:
     # The corrupted checkpoint must be the newest when the group restarts: freeze the job first (rank 1
     # stopped: no step, so no checkpoint, can complete; policy observe: Vigil leaves the hang alone),
     # corrupt the newest checkpoint, then kill the stopped rank so that Ray Train restarts the group.
@@ -233,10 +233,14 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient) -> None:
     _reach(client, job.id, 25)
     _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 25})
     _wait(lambda: _frozen(client, job.id), 60, "the job to stop making progress")
-    time.sleep(3)  # the last checkpoint's sample reaches the controller
-    newest = max(c["step"] for c in client._request("GET", f"/api/v1/jobs/{job.id}/checkpoints")["data"])
-    corrupt = _inject(client, job.id, {"kind": "corrupt_checkpoint", "step": 0})
-    _wait(lambda: _fault(client, job.id, corrupt["id"])["status"] == "FIRED", 60, "the corruption")
+    # The newest complete checkpoint on storage (its sample may not have reached the controller: a
+    # rank reports a checkpoint at its next sync point, which the stopped rank never reaches).
+    ckpt_root = cluster.home / "storage" / job.id / "checkpoints"
+    newest_dir = max((d for d in ckpt_root.iterdir() if (d / "manifest.json").exists()), key=lambda d: d.name)
+    newest = int(newest_dir.name.split("-")[1])
+    _inject(client, job.id, {"kind": "corrupt_checkpoint", "step": 0})
+    _wait(lambda: any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp")), 60,
+          f"the corruption of {newest_dir.name}")
     _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 0})
     _finish(client, job.id)
     cks = {c["step"]: c["valid"] for c in client._request("GET", f"/api/v1/jobs/{job.id}/checkpoints")["data"]}
@@ -248,10 +252,6 @@ def _frozen(client: VigilClient, job_id: str) -> bool:
     before = client.get_job(job_id).last_step
     time.sleep(2)
     return client.get_job(job_id).last_step == before
-
-
-def _fault(client: VigilClient, job_id: str, fault_id: int) -> dict:
-    return next(f for f in client._request("GET", f"/api/v1/jobs/{job_id}/faults")["data"] if f["id"] == fault_id)
 
 
 def test_kill_node_via_api(client: VigilClient) -> None:
