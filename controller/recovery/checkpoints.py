@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controller.jobs import record_event
 from controller.models import Checkpoint
 from controller.schemas import CheckpointPublic, CheckpointSample
 
@@ -19,6 +20,10 @@ def record_checkpoints(session: Session, samples: list[CheckpointSample]) -> Non
             # created_at: when the rank finished writing it (the sample's time), not when it was heard of.
             row = Checkpoint(job_id=s.job_id, path=s.path, created_at=datetime.fromtimestamp(s.ts, UTC))
             session.add(row)
+        if not s.valid:
+            # The row is upserted (a replay writes the same folder again, valid): the event keeps it on record.
+            record_event(session, "checkpoint_invalid", f"checkpoint at step {s.step} found invalid: {s.message}",
+                         job_id=s.job_id, data={"step": s.step, "path": s.path, "reason": s.message})
         row.step = s.step
         row.valid = s.valid
         row.world_size = s.world_size

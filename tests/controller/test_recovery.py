@@ -256,6 +256,18 @@ def test_checkpoint_shadow_is_not_scored_until_the_checkpoint_completed(env: Env
     assert inc[0]["evidence"]["steps"] == [106, 115]
 
 
+def test_an_invalid_checkpoint_stays_on_record_after_its_folder_is_written_again(env: Env) -> None:
+    ck = {"kind": "checkpoint", "job_id": env.job_id, "rank": 0, "step": 30, "ts": env.clock.now,
+          "path": "/ckpt/step-30", "world_size": 2}
+    env.post([ck], "vigil-node-1")
+    env.post([{**ck, "valid": False, "message": "checksum mismatch in __0_0.distcp"}], "vigil-node-1")
+    env.post([{**ck, "ts": env.clock.now + 5}], "vigil-node-1")  # the replay saves step 30 again
+    rows = env.client.get(f"{API}/jobs/{env.job_id}/checkpoints").json()["data"]
+    assert [(c["step"], c["valid"]) for c in rows] == [(30, True)]
+    events = [e for e in env.client.get(f"{API}/events").json()["data"] if e["kind"] == "checkpoint_invalid"]
+    assert [(e["data"]["step"], e["data"]["reason"]) for e in events] == [(30, "checksum mismatch in __0_0.distcp")]
+
+
 def test_rank_always_behind_its_peers_is_an_imbalance_not_a_straggler(env: Env) -> None:
     for chunk in range(6):
         env.steps(chunk * 10 + 1, chunk * 10 + 10, compute={1: 0.09})  # 1.8x its peer from the start

@@ -243,9 +243,16 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
           f"the corruption of {newest_dir.name}")
     _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 0})
     _finish(client, job.id)
-    cks = {c["step"]: c["valid"] for c in client._request("GET", f"/api/v1/jobs/{job.id}/checkpoints")["data"]}
-    assert cks[newest] is False, f"the corrupt checkpoint at step {newest} was not found out: {cks}"
+    # Found out on restore (the replay then writes that step's folder again, valid: the event stays).
+    found = [e["data"]["step"] for e in client._request("GET", "/api/v1/events", params={"job_id": job.id})["data"]
+             if e["kind"] == "checkpoint_invalid"]
+    assert found == [newest], f"the corrupt checkpoint at step {newest} was not found out: {found}"
     _assert_resumed_from_checkpoint(client, job.id)
+    # ... and the restart went back past it, to the checkpoint before.
+    series = next(s for s in client.job_metrics(job.id, max_points=100_000).ranks if s.rank == 0)
+    steps = [st for _, st in sorted(zip(series.ts, series.step, strict=True))]
+    replay = next(steps[i] for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert replay <= newest - CKPT + 1, (replay, newest)
 
 
 def _frozen(client: VigilClient, job_id: str) -> bool:
