@@ -248,11 +248,9 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
              if e["kind"] == "checkpoint_invalid"]
     assert found == [newest], f"the corrupt checkpoint at step {newest} was not found out: {found}"
     _assert_resumed_from_checkpoint(client, job.id)
-    # ... and the restart went back past it, to the checkpoint before.
-    series = next(s for s in client.job_metrics(job.id, max_points=100_000).ranks if s.rank == 0)
-    steps = [st for _, st in sorted(zip(series.ts, series.step, strict=True))]
-    replay = next(steps[i] for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert replay <= newest - CKPT + 1, (replay, newest)
+    # ... and the restart went back past it, to the checkpoint before (the ranks log what they restored).
+    logs = client.job_logs(job.id).logs
+    assert f"rank 0 restored step {newest - CKPT} from" in logs, logs[-3000:]
 
 
 def _frozen(client: VigilClient, job_id: str) -> bool:
