@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="Start a local multi-node Vigil and run the demo job.")
     up.add_argument("--nodes", type=int, default=2, help="Worker nodes besides the head (default 2).")
-    up.add_argument("--cpus-per-node", type=int, default=2, help="Logical CPUs per worker node (the head runs no ranks; default 2).")
+    up.add_argument("--cpus-per-node", type=int, default=2,
+                    help="Logical CPUs per worker node (the head runs no ranks; default 2).")
     up.add_argument("--port", type=int, default=8000, help="Controller and dashboard port (default 8000).")
     up.add_argument("--home", help="Working folder (default ./.vigil).")
     up.add_argument("--job", help="Job file to run instead of the bundled demo.")
