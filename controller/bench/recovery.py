@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import statistics
 import sys
@@ -50,7 +51,9 @@ def job_spec(name: str, steps: int, policy: str = "evict_restart", ckpt: int = 1
         "data": {"max_bytes": 300_000},
         "optimizer": {"kind": "adamw", "lr": 0.01},
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
-        "steps": steps, "batch_size": 8,
+        # batch 32: ~60 ms of compute per step, so a 2x slower rank adds more than scheduling noise
+        # (the straggler detector ignores excesses under 25 ms; docs/RECOVERY.md).
+        "steps": steps, "batch_size": 32,
         "lr_schedule": {"kind": "constant"},
         "checkpoint": {"interval_steps": ckpt, "keep_last": 3},
         "recovery": {"policy": policy, "max_restarts": 5},
@@ -104,17 +107,20 @@ class Runner:
         rows = sorted(zip(s.ts, s.step, s.step_time_s, strict=True))  # in the order they ran
         return [r[1] for r in rows], [r[0] for r in rows], [r[2] for r in rows]
 
-    def restart_point(self, job_id: str, after: float) -> tuple[float | None, int]:
-        """(time of the first step after the restart, steps run twice)."""
+    def restart_point(self, job_id: str, after: float, fault_step: int | None) -> tuple[float | None, int | None]:
+        """(time of the first step after the restart, steps run twice).
+
+        The metrics keep one row per step, the newest: a replayed step's first run is gone, so in
+        time order the restart shows as the pause (or step going back) before the first replayed step,
+        which is the restored checkpoint's step + 1. Steps run twice: the step the job had reached
+        when the fault fired minus the restored step.
+        """
         steps, ts, _ = self.rank0_series(job_id)
         for i in range(1, len(steps)):
-            if ts[i] > after and steps[i] <= steps[i - 1]:
-                return ts[i], steps[i - 1] - steps[i] + 1
-        # resumed right after a checkpoint at the last step: the first step after a pause
-        for i in range(1, len(steps)):
-            if ts[i] > after and ts[i] - ts[i - 1] > 5.0:
-                return ts[i], 0
-        return None, 0
+            if ts[i] > after and (steps[i] <= steps[i - 1] or ts[i] - ts[i - 1] > 5.0):
+                lost = max(0, fault_step - (steps[i] - 1)) if fault_step is not None else None
+                return ts[i], lost
+        return None, None
 
     # -- one fault -------------------------------------------------------------------------------
     def run_fault(self, kind: str, steps: int, at: int) -> dict[str, Any]:
@@ -133,6 +139,7 @@ class Runner:
             return out
         node, pid = loc
         fired = time.time()
+        fault_step = self.client.get_job(job.id).last_step  # updated with every batch of telemetry
         expected_kind = {"kill_rank": "rank_died", "kill_9": "rank_died", "hang_rank": "hang",
                          "slow_rank": "straggler", "nan_loss": "nan_loss", "kill_node": "node_lost",
                          "remove_node": "node_lost"}[kind]
@@ -151,6 +158,7 @@ class Runner:
                                         if f["fired_at"]), None), 60, 0.5)
             if fault:
                 fired = _ts(fault["fired_at"]) or fired
+                fault_step = self._step_at(fault.get("message", "")) or fault_step
         inc = _wait(lambda: next((i for i in self.get(f"/jobs/{job.id}/incidents")["data"]
                                   if i["kind"] == expected_kind and (expected_kind != "hang" or i["rank"] is not None)),
                                  None), 180, 0.5)
@@ -167,11 +175,9 @@ class Runner:
             out["culprit_correct"] = inc["node_id"] == node
         else:
             out["culprit_correct"] = inc["rank"] == target_rank and inc["node_id"] == node
-        steps_run, ts_run, _ = self.rank0_series(job.id)
-        fired_step = max((st for st, t in zip(steps_run, ts_run, strict=True) if t <= fired), default=None)
-        if fired_step is not None and inc.get("step_at_detect") is not None:
-            out["steps_to_detect"] = inc["step_at_detect"] - fired_step
-        restart_ts, lost = self.restart_point(job.id, fired)
+        if fault_step is not None and inc.get("step_at_detect") is not None:
+            out["steps_to_detect"] = max(0, inc["step_at_detect"] - fault_step)
+        restart_ts, lost = self.restart_point(job.id, fired, fault_step)
         if restart_ts is not None:
             out["time_to_recover_s"] = round(restart_ts - fired, 2)
             out["lost_steps"] = lost
@@ -183,6 +189,12 @@ class Runner:
                       60)
                 time.sleep(10)  # the fresh raylet registers with Ray
         return out
+
+    @staticmethod
+    def _step_at(message: str) -> int | None:
+        """The job's step when the controller fired a fault (its message ends "... (step N)")."""
+        m = re.search(r"\(step (\d+)\)", message)
+        return int(m.group(1)) if m else None
 
     def _remove_node(self, node: str) -> None:
         idx = node.rsplit("-", 1)[1]

@@ -268,6 +268,18 @@ def test_an_invalid_checkpoint_stays_on_record_after_its_folder_is_written_again
     assert [(e["data"]["step"], e["data"]["reason"]) for e in events] == [(30, "checksum mismatch in __0_0.distcp")]
 
 
+def test_a_2x_slower_rank_is_a_straggler_within_20_steps(env: Env) -> None:
+    env.steps(1, 20)
+    for st in range(21, 41):
+        env.steps(st, st, compute={1: 0.105})  # 2.1x its peer and its own past
+        env.monitor.step()
+        if env.incidents():
+            break
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"]) for i in inc] == [("straggler", 1)]
+    assert inc[0]["evidence"]["steps"][1] - 20 <= 20
+
+
 def test_rank_always_behind_its_peers_is_an_imbalance_not_a_straggler(env: Env) -> None:
     for chunk in range(6):
         env.steps(chunk * 10 + 1, chunk * 10 + 10, compute={1: 0.09})  # 1.8x its peer from the start
