@@ -22,6 +22,12 @@ def _loss_points(page: Browser) -> list[int] | None:
     return [t["n"] for t in graph["traces"]]
 
 
+def _drawn(page: Browser, graph_id: str) -> dict:
+    """The graph once Plotly has drawn a figure into it (traces, or a 'waiting' annotation)."""
+    return page.wait_for(lambda: (g := page.graph(graph_id)) and (g["traces"] or g["annotations"]) and g,
+                         what=f"{graph_id} drawn")
+
+
 def test_jobs_list_shows_job_rows_linking_to_job_pages(page: Browser, dashboard_site: Site) -> None:
     page.get(dashboard_site.dashboard)
     (row,) = page.wait_css('tr[data-job-id="job-abc"]')
@@ -47,11 +53,11 @@ def test_job_page_plots_one_loss_trace_per_rank_and_updates_live(page: Browser, 
     assert loss["traces"][2]["x"] == list(range(17))
     assert loss["annotations"] == []
 
-    step_time = page.graph("job-detail-step-time")
+    step_time = _drawn(page, "job-detail-step-time")
     assert [t["n"] for t in step_time["traces"]] == [20, 20, 17]
-    heatmap = page.graph("job-detail-heatmap")
+    heatmap = _drawn(page, "job-detail-heatmap")
     assert [(t["type"], t["rows"], t["n"]) for t in heatmap["traces"]] == [("heatmap", 3, 20)]
-    throughput = page.graph("job-detail-throughput")
+    throughput = _drawn(page, "job-detail-throughput")
     assert [t["name"] for t in throughput["traces"]] == ["rank 0", "rank 1", "rank 2", "total"]
 
     header = page.text("job-detail-header")
@@ -70,7 +76,7 @@ def test_job_page_plots_one_loss_trace_per_rank_and_updates_live(page: Browser, 
 def test_job_without_data_waits_and_unknown_job_is_not_found(page: Browser, dashboard_site: Site) -> None:
     page.get(f"{dashboard_site.dashboard}jobs/job-new")
     page.wait_for(lambda: "PENDING" in (page.text("job-detail-header") or ""), what="PENDING header")
-    loss = page.graph("job-detail-loss")
+    loss = _drawn(page, "job-detail-loss")  # the header can come before the figure is drawn
     assert loss["traces"] == []
     assert loss["annotations"] == ["waiting for data"]
 
