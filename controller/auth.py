@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -225,7 +225,18 @@ def authorize(
         )
     if principal.role == Role.JOB and request.path_params.get("job_id") != principal.job_id:
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail="a job token may only touch its own job")
+    if "node_id" in request.path_params:
+        check_node_scope(principal, request.path_params["node_id"])
     return principal
+
+
+def check_node_scope(principal: Principal, node_id: str) -> None:
+    """403 unless ``principal`` may act for ``node_id``: an agent token scoped to a node acts for it alone."""
+    if principal.role == Role.AGENT and principal.node_id is not None and node_id != principal.node_id:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            detail=f"this agent token is scoped to node {principal.node_id}, not {node_id}",
+        )
 
 
 CurrentPrincipal = Annotated[Principal, Depends(authorize)]
@@ -253,8 +264,9 @@ class BootstrapTokens:
     admin: str
     admin_path: Path
     admin_created: bool
-    agent: str
-    agent_token_id: str
+    agents: dict[str, str] = field(default_factory=dict, repr=False)
+    """One agent token per node id, each scoped to its node."""
+    agent_token_ids: tuple[str, ...] = ()
 
 
 def ensure_admin_token(sessions: sessionmaker[Session], home: Path) -> tuple[str, bool]:
@@ -294,12 +306,15 @@ def ensure_admin_token(sessions: sessionmaker[Session], home: Path) -> tuple[str
     raise RuntimeError(f"could not create {path}")
 
 
-def bootstrap_tokens(sessions: sessionmaker[Session], home: Path) -> BootstrapTokens:
-    """What ``vigil up`` needs: the admin token (file) and a fresh agent token for this run's agents."""
+def bootstrap_tokens(sessions: sessionmaker[Session], home: Path, node_ids: Sequence[str] = ()) -> BootstrapTokens:
+    """What ``vigil up`` needs: the admin token (file) and, for this run's agents, a fresh token per node,
+    scoped to that node (an agent ingests and fetches commands for its own node only)."""
     admin, created = ensure_admin_token(sessions, home)
     with session_scope(sessions) as session:
-        agent = tokens.create_token(session, TokenCreate(role=Role.AGENT, name="agents (vigil up)"))
-    return BootstrapTokens(admin, admin_token_path(home), created, agent.token, agent.id)
+        agents = {n: tokens.create_token(session, TokenCreate(role=Role.AGENT, name=f"agent {n} (vigil up)", node_id=n))
+                  for n in node_ids}
+    return BootstrapTokens(admin, admin_token_path(home), created, {n: t.token for n, t in agents.items()},
+                           tuple(t.id for t in agents.values()))
 
 
 def read_token_file(path: Path) -> str | None:
@@ -322,6 +337,7 @@ __all__ = [
     "authorize",
     "bootstrap_tokens",
     "check_metrics_access",
+    "check_node_scope",
     "ensure_admin_token",
     "guard_metrics_app",
     "iter_app_routes",

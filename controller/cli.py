@@ -204,9 +204,11 @@ def cmd_token(args: argparse.Namespace) -> int:
         try:
             if args.action == "create":
                 expires = parse_expiry(args.expires) if args.expires else None
-                spec = TokenCreate(role=Role(args.role), name=args.name or "", job_id=args.job, expires_at=expires)
+                spec = TokenCreate(role=Role(args.role), name=args.name or "", job_id=args.job, node_id=args.node,
+                                   expires_at=expires)
                 tok = client.create_token(spec)
                 print(f"created {tok.id} (role {tok.role.value}" + (f", job {tok.job_id}" if tok.job_id else "") +
+                      (f", node {tok.node_id}" if tok.node_id else "") +
                       f", expires {tok.expires_at.isoformat() if tok.expires_at else 'never'}); "
                       "it is shown this once, keep it now:")
                 print(tok.token)  # alone on the last line, so `| tail -1` captures it
@@ -217,7 +219,7 @@ def cmd_token(args: argparse.Namespace) -> int:
                     state = "active" if t.active else ("revoked" if t.revoked_at else "expired")
                     exp = t.expires_at.strftime("%Y-%m-%d %H:%M") if t.expires_at else "never"
                     used = t.last_used_at.strftime("%Y-%m-%d %H:%M") if t.last_used_at else "-"
-                    name = t.name + (f" [job {t.job_id}]" if t.job_id else "")
+                    name = t.name + (f" [job {t.job_id}]" if t.job_id else "") + (f" [node {t.node_id}]" if t.node_id else "")
                     print(f"{t.id:<21} {t.role.value:<7} {state:<8} {t.hint + '...':<13} {exp:<20} {used:<20} {name}")
             else:
                 tok = client.revoke_token(args.token_id)
@@ -491,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--expires", help="7d, 24h, 30m, or an ISO 8601 time (default: never).")
     tc.add_argument("--name", help="What it is for.")
     tc.add_argument("--job", help="The job a `job` token is scoped to.")
+    tc.add_argument("--node", help="The node an `agent` token is scoped to (its agent may act for that node only).")
     tl = tks.add_parser("list", help="List tokens (never their secrets).")
     tl.add_argument("--limit", type=int, default=100)
     tl.add_argument("--active", dest="all", action="store_false", help="Only tokens that still work.")

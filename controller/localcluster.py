@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,7 +204,8 @@ class LocalCluster:
     """The admin token (also in :attr:`admin_token_path`, mode 0600)."""
     admin_token_path: Path | None = None
     database_url: str = ""
-    agent_token_id: str | None = None
+    agent_token_ids: tuple[str, ...] = ()
+    """The agents' tokens (one per node), revoked when the cluster stops."""
     netns: NetnsCluster | None = None
     """The namespaces of ``vigil up --netns`` (None: every node on the host's own network)."""
 
@@ -213,8 +215,8 @@ class LocalCluster:
             self.netns.destroy()  # namespaces, veths, bridge, qdiscs, and any process left inside
         shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.agent_token_id and self.database_url:
-            _revoke(self.database_url, self.agent_token_id)  # its agents are gone
+        if self.database_url:
+            _revoke(self.database_url, self.agent_token_ids)  # its agents are gone
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -223,7 +225,7 @@ class LocalCluster:
         self.stop()
 
 
-def _revoke(database_url: str, token_id: str) -> None:
+def _revoke(database_url: str, token_ids: Sequence[str]) -> None:
     from sqlalchemy.exc import SQLAlchemyError
 
     from controller.db import make_engine, make_session_factory, session_scope
@@ -232,15 +234,16 @@ def _revoke(database_url: str, token_id: str) -> None:
     engine = make_engine(database_url)
     try:
         with session_scope(make_session_factory(engine)) as session:
-            revoke_token(session, token_id)
-    except (SQLAlchemyError, OSError) as exc:  # the database may be gone; the token then is too
-        log.warning("could not revoke the agents' token %s: %s", token_id, exc)
+            for token_id in token_ids:
+                revoke_token(session, token_id)
+    except (SQLAlchemyError, OSError) as exc:  # the database may be gone; the tokens then are too
+        log.warning("could not revoke the agents' tokens %s: %s", ", ".join(token_ids), exc)
     finally:
         engine.dispose()
 
 
-def _bootstrap(home: Path, database_url: str):  # type: ignore[no-untyped-def]
-    """Schema and tokens before any process starts: the admin token file and this run's agent token."""
+def _bootstrap(home: Path, database_url: str, node_ids: Sequence[str]):  # type: ignore[no-untyped-def]
+    """Schema and tokens before any process starts: the admin token file and this run's agent tokens."""
     from controller import migrate
     from controller.auth import bootstrap_tokens
     from controller.db import make_engine, make_session_factory
@@ -248,7 +251,7 @@ def _bootstrap(home: Path, database_url: str):  # type: ignore[no-untyped-def]
     migrate.upgrade(database_url)
     engine = make_engine(database_url)
     try:
-        return bootstrap_tokens(make_session_factory(engine), home)
+        return bootstrap_tokens(make_session_factory(engine), home, node_ids)
     finally:
         engine.dispose()
 
@@ -343,7 +346,7 @@ def start_local_cluster(
     net = _create_netns(home, nodes, link) if netns else None
     ensure_ray_token()
     db_url = database_url or f"sqlite:///{home / 'vigil.db'}"
-    tokens = _bootstrap(home, db_url)
+    tokens = _bootstrap(home, db_url, [node_name(i) for i in range(nodes + 1)])
     auth = {"Authorization": f"Bearer {tokens.admin}"}
 
     procs = ProcessGroup(pid_file)
@@ -401,8 +404,9 @@ def start_local_cluster(
         procs.start("controller", [*vigil, "controller", "--port", str(port), *listen], vigil_env, log_dir)
         _wait(lambda: httpx.get(f"{controller_url}/api/v1/healthz", timeout=2).status_code == 200, timeout,
               f"the controller on {controller_url}")
-        agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agent)  # by env: a --token would show in `ps`
         for i, node_id in enumerate(node_ids):
+            # Each agent its own node's token, by env: a --token would show in `ps`.
+            agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agents[node_id])
             url = node_controller_url if net and i > 0 else controller_url
             argv = [*vigil, "agent", "--node-id", node_id, "--controller", url,
                     "--socket", str(agent_socket_path(run_dir, node_id)),
@@ -422,11 +426,11 @@ def start_local_cluster(
         if net is not None:
             net.destroy()
         shutil.rmtree(ray_temp, ignore_errors=True)
-        _revoke(db_url, tokens.agent_token_id)
+        _revoke(db_url, tokens.agent_token_ids)
         raise
     return LocalCluster(home, controller_url, f"{head_ip}:{gcs_port}", dashboard_url, node_ids, procs, ray_temp,
                         run_dir, admin_token=tokens.admin, admin_token_path=tokens.admin_path, database_url=db_url,
-                        agent_token_id=tokens.agent_token_id, netns=net)
+                        agent_token_ids=tokens.agent_token_ids, netns=net)
 
 
 def _agent_port() -> list[str]:

@@ -173,6 +173,8 @@ class ApiToken(Base):
     name: Mapped[str] = mapped_column(String(128), default="")
     role: Mapped[str] = mapped_column(String(16))
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    """An ``agent`` token scoped to one node: it may ingest and fetch commands for that node only."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     created_by: Mapped[str | None] = mapped_column(String(32))
     expires_at: Mapped[datetime | None]

@@ -529,6 +529,10 @@ class TokenCreate(_Strict):
     role: Role = Field(..., description="admin | user | agent | viewer | job.")
     name: Line = Field("", max_length=NAME_MAX, description="What the token is for (shown in lists).")
     job_id: str | None = Field(None, pattern=ID_PATTERN, description="The job a ``job`` token is scoped to.")
+    node_id: str | None = Field(
+        None, pattern=NODE_ID_PATTERN,
+        description="The node an ``agent`` token is scoped to: it may ingest and fetch commands for that node only.",
+    )
     expires_at: datetime | None = Field(
         None, description="When the token stops working (ISO 8601; UTC when no offset is given); none: never."
     )
@@ -548,6 +552,8 @@ class TokenCreate(_Strict):
     def _job_scope(self) -> TokenCreate:
         if (self.role == Role.JOB) != (self.job_id is not None):
             raise ValueError("job_id is required for the job role, and only for it")
+        if self.node_id is not None and self.role != Role.AGENT:
+            raise ValueError("node_id: only an agent token is scoped to a node")
         return self
 
 
@@ -558,6 +564,7 @@ class TokenPublic(BaseModel):
     name: str
     role: Role
     job_id: str | None = None
+    node_id: str | None = Field(None, description="The node an agent token is scoped to (none: any node).")
     hint: str = Field(..., description="The token's first characters, to tell tokens apart.")
     created_at: datetime
     created_by: str | None = Field(None, description="Id of the token that issued this one.")

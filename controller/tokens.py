@@ -45,6 +45,8 @@ class Principal:
     """None: nobody in particular (a public route)."""
     job_id: str | None = None
     name: str = ""
+    node_id: str | None = None
+    """For an ``agent`` token scoped to one node: that node."""
 
 
 def new_secret() -> str:
@@ -67,7 +69,8 @@ def is_active(tok: ApiToken, now: datetime | None = None) -> bool:
 
 def to_public(tok: ApiToken) -> TokenPublic:
     return TokenPublic(
-        id=tok.id, name=tok.name, role=Role(tok.role), job_id=tok.job_id, hint=tok.hint, created_at=tok.created_at,
+        id=tok.id, name=tok.name, role=Role(tok.role), job_id=tok.job_id, node_id=tok.node_id, hint=tok.hint,
+        created_at=tok.created_at,
         created_by=tok.created_by, expires_at=tok.expires_at, revoked_at=tok.revoked_at,
         last_used_at=tok.last_used_at, active=is_active(tok),
     )
@@ -84,7 +87,7 @@ def create_token(session: Session, spec: TokenCreate, created_by: str | None = N
     secret = new_secret()
     tok = ApiToken(
         id="tok_" + uuid.uuid4().hex[:16], token_hash=hash_token(secret), hint=_hint(secret), name=spec.name,
-        role=spec.role.value, job_id=spec.job_id, created_at=datetime.now(UTC), created_by=created_by,
+        role=spec.role.value, job_id=spec.job_id, node_id=spec.node_id, created_at=datetime.now(UTC), created_by=created_by,
         expires_at=spec.expires_at,
     )
     session.add(tok)
@@ -104,7 +107,7 @@ def authenticate(session: Session, token: str) -> Principal | None:
         return None
     if tok.last_used_at is None or now - tok.last_used_at >= LAST_USED_RESOLUTION:
         tok.last_used_at = now
-    return Principal(token_id=tok.id, role=Role(tok.role), job_id=tok.job_id, name=tok.name)
+    return Principal(token_id=tok.id, role=Role(tok.role), job_id=tok.job_id, name=tok.name, node_id=tok.node_id)
 
 
 def list_tokens(session: Session, limit: int, offset: int, include_inactive: bool = True) -> tuple[list[ApiToken], int]:

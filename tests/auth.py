@@ -11,11 +11,11 @@ from controller.tokens import create_token
 
 
 def issue_token(app: Any, role: Role | str, *, job_id: str | None = None, expires_at: datetime | None = None,
-                name: str = "test") -> str:
+                name: str = "test", node_id: str | None = None) -> str:
     """A new token of ``role`` for the controller ``app`` (a ``create_app()`` result), as ``vigil up`` makes one."""
     with session_scope(app.state.sessions) as session:
         return create_token(session, TokenCreate(role=Role(role), job_id=job_id, expires_at=expires_at,
-                                                 name=name)).token
+                                                 name=name, node_id=node_id)).token
 
 
 def bearer(token: str) -> dict[str, str]:

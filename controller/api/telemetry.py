@@ -9,9 +9,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from controller.api.deps import SettingsDep
+from controller.auth import CurrentPrincipal, check_node_scope
 from controller.db import session_scope
 from controller.schemas import TelemetryAck, TelemetryBatch
 from controller.telemetry import BodyTooLarge, decode_body, ingest
+from controller.tokens import Principal
 
 router = APIRouter(tags=["telemetry"])
 
@@ -26,10 +28,11 @@ router = APIRouter(tags=["telemetry"])
         }
     },
 )
-async def post_telemetry(request: Request, settings: SettingsDep) -> TelemetryAck:
+async def post_telemetry(request: Request, settings: SettingsDep, principal: CurrentPrincipal) -> TelemetryAck:
     """Store a batch once; a replay of (agent_id, seq) is acknowledged as a duplicate and ignored.
 
-    A bad batch (invalid JSON, a field out of range, too large) is refused whole with 422/413.
+    A bad batch (invalid JSON, a field out of range, too large) is refused whole with 422/413; a
+    batch for another node than the agent token's own is refused with 403.
     """
     raw = await request.body()
     # Decoding, validation and the database work all run in a worker thread: parsing a batch of
@@ -37,11 +40,13 @@ async def post_telemetry(request: Request, settings: SettingsDep) -> TelemetryAc
     # write waiting for SQLite's lock must never block the loop that would let the holder commit.
     return await run_in_threadpool(
         _decode_and_store, request.app.state.sessions, raw, request.headers.get("content-encoding"),
-        settings.max_body_bytes,
+        settings.max_body_bytes, principal,
     )
 
 
-def _decode_and_store(sessions: sessionmaker[Session], raw: bytes, encoding: str | None, limit: int) -> TelemetryAck:
+def _decode_and_store(
+    sessions: sessionmaker[Session], raw: bytes, encoding: str | None, limit: int, principal: Principal
+) -> TelemetryAck:
     try:
         body = decode_body(raw, encoding, limit)
     except BodyTooLarge as exc:
@@ -52,5 +57,6 @@ def _decode_and_store(sessions: sessionmaker[Session], raw: bytes, encoding: str
         batch = TelemetryBatch.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_context=False, include_input=False)) from exc
+    check_node_scope(principal, batch.node_id)
     with session_scope(sessions) as session:
         return ingest(session, batch)

@@ -200,6 +200,29 @@ def test_agent_may_ingest_but_not_submit_cancel_or_read(client: TestClient) -> N
     assert client.post(f"{API}/telemetry", json=_batch(job_id, 0), headers=agent).json()["stored"] == 1
 
 
+def test_agent_token_scoped_to_a_node_acts_for_that_node_only(client: TestClient) -> None:
+    app = client.app
+    admin = bearer(issue_token(app, "admin"))
+    scoped = bearer(issue_token(app, "agent", node_id="n1"))
+    job_id = client.post(f"{API}/jobs", json={"name": "j"}, headers=admin).json()["id"]
+    # its own node: ingest, fetch commands
+    assert client.post(f"{API}/telemetry", json=_batch(job_id, 0), headers=scoped).json()["stored"] == 1
+    assert client.get(f"{API}/nodes/n1/commands", headers=scoped).status_code == 200
+    # another node: refused, nothing stored
+    other = dict(_batch(job_id, 1), node_id="n2", agent_id="a2")
+    r = client.post(f"{API}/telemetry", json=other, headers=scoped)
+    assert r.status_code == 403 and "scoped to node n1" in r.json()["detail"]
+    r = client.get(f"{API}/nodes/n2/commands", headers=scoped)
+    assert r.status_code == 403 and "n2" in r.json()["detail"]
+    assert client.post(f"{API}/nodes/n2/commands/1/result", json={"ok": True}, headers=scoped).status_code == 403
+    assert client.get(f"{API}/jobs/{job_id}/metrics", headers=admin).json()["ranks"][0]["step"] == [0]
+    assert [n["id"] for n in client.get(f"{API}/nodes", headers=admin).json()["data"]] == ["n1"]
+    # an unscoped agent token (`vigil token create --role agent`) may act for any node
+    assert client.get(f"{API}/nodes/n2/commands", headers=bearer(issue_token(app, "agent"))).status_code == 200
+    listed = client.get(f"{API}/tokens", headers=admin).json()["data"]
+    assert sorted(t["node_id"] or "" for t in listed if t["role"] == "agent") == ["", "n1"]
+
+
 def test_viewer_reads_but_does_not_write(client: TestClient) -> None:
     app = client.app
     admin, viewer = bearer(issue_token(app, "admin")), bearer(issue_token(app, "viewer"))
@@ -290,6 +313,8 @@ def test_token_life_cycle_and_only_hashes_stored(client: TestClient) -> None:
         ({"role": "user", "name": "x" * 200}, "name"),
         ({"role": "user", "name": "a\nb"}, "name"),
         ({"role": "user", "surprise": 1}, "surprise"),
+        ({"role": "user", "node_id": "n1"}, "node_id"),
+        ({"role": "agent", "node_id": "../n1"}, "node_id"),
     ],
 )
 def test_bad_token_requests_are_422(client: TestClient, body: dict, field: str) -> None:
@@ -405,17 +430,19 @@ def test_dashboard_token_stays_server_side_and_no_cors(client: TestClient) -> No
 def test_bootstrap_writes_a_private_admin_token_and_reuses_it(db_url: str, tmp_path: Path) -> None:
     app = _app(db_url, tmp_path / "home")
     home = tmp_path / "home"
-    first = bootstrap_tokens(app.state.sessions, home)
+    first = bootstrap_tokens(app.state.sessions, home, ["n1", "n2"])
     path = admin_token_path(home)
     assert first.admin_created and path.read_text().strip() == first.admin
     assert path.stat().st_mode & 0o777 == 0o600
-    second = bootstrap_tokens(app.state.sessions, home)
+    second = bootstrap_tokens(app.state.sessions, home, ["n1", "n2"])
     assert not second.admin_created and second.admin == first.admin  # still valid: kept
-    assert second.agent != first.agent
+    assert set(first.agents) == {"n1", "n2"} and second.agents["n1"] != first.agents["n1"]
+    assert len(set(first.agents.values())) == 2  # one token per node
     with TestClient(app) as c:
         assert c.get(f"{API}/tokens", headers=bearer(first.admin)).status_code == 200
-        agent = bearer(first.agent)
+        agent = bearer(first.agents["n1"])
         assert c.post(f"{API}/telemetry", json=_batch("job_x", 0), headers=agent).status_code == 200
+        assert c.get(f"{API}/nodes/n2/commands", headers=agent).status_code == 403
         assert c.get(f"{API}/jobs", headers=agent).status_code == 403
         _revoke(app, first.admin)
         token, created = ensure_admin_token(app.state.sessions, home)  # revoked: replaced
