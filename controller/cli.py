@@ -100,7 +100,7 @@ def follow_job(client: VigilClient, job_id: str, stop: threading.Event | None = 
                     return job
                 time.sleep(0 if stop is not None else interval)
                 continue
-            done = (job.last_step + 1) if job.last_step is not None else 0
+            done = job.last_step or 0  # steps are numbered 1..steps
             bar.set_description(f"{job.name} [{job.status.value}]")
             if job.last_loss is not None:
                 bar.set_postfix(loss=f"{job.last_loss:.3f}")
@@ -261,7 +261,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
     print(f"{'ID':<18} {'STATUS':<10} {'STEP':>11} {'LOSS':>8}  {'OPTIMIZER':<16} NAME")
     for j in jobs.data:
-        step = f"{(j.last_step + 1) if j.last_step is not None else 0}/{j.spec.steps}"
+        step = f"{j.last_step or 0}/{j.spec.steps}"
         loss = f"{j.last_loss:.4f}" if j.last_loss is not None else "-"
         print(f"{j.id:<18} {j.status.value:<10} {step:>11} {loss:>8}  {j.spec.optimizer.kind:<16} {j.name}")
     return 0

@@ -78,3 +78,23 @@ def test_fault_incidents_recover_evict_readmit(live: tuple[str, Any], capsys: py
     assert cli.main(["evict", "no-such-node"]) == 1
     cmds = httpx.get(f"{url}/api/v1/nodes/vigil-node-1/commands", headers=admin).json()["data"]
     assert [c["kind"] for c in cmds] == ["kill_pid", "stop_raylet", "start_raylet"]
+
+
+def test_jobs_shows_steps_done_of_total(live: tuple[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """Steps are numbered 1..steps: a job whose last step is 50 of 50 shows 50/50 (not 51/50)."""
+    import httpx
+
+    from controller.models import Job
+
+    url, app = live
+    admin = bearer(issue_token(app, "admin"))
+    done = httpx.post(f"{url}/api/v1/jobs", json={"name": "done", "steps": 50}, headers=admin).json()["id"]
+    fresh = httpx.post(f"{url}/api/v1/jobs", json={"name": "fresh", "steps": 40}, headers=admin).json()["id"]
+    with app.state.sessions() as s:
+        s.get(Job, done).last_step = 50
+        s.commit()
+    capsys.readouterr()
+    assert cli.main(["jobs"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[done][2] == "50/50"
+    assert rows[fresh][2] == "0/40"
