@@ -181,7 +181,8 @@ def test_step_samples_for_every_step_from_both_ranks(two_rank_run: dict[str, Any
 
 def test_reports_and_checkpoints(two_rank_run: dict[str, Any]) -> None:
     for rank, r in enumerate(two_rank_run["ranks"]):
-        assert [x["metrics"]["step"] for x in r["reports"]] == [5, 10, 15, 20]
+        # Ray Train hears of a step only with a complete checkpoint (every report blocks on it).
+        assert [x["metrics"]["step"] for x in r["reports"]] == [10, 20]
         with_ckpt = [x["metrics"]["step"] for x in r["reports"] if x["checkpoint"]]
         assert with_ckpt == [10, 20] and r["checkpoints"] == [10, 20]
         for x in r["reports"]:
@@ -271,7 +272,7 @@ def test_pending_preemption_checkpoints_at_once_and_training_goes_on(tmp_path: P
     # Asked at every step but the last (which checkpoints anyway). The notice made step 5 checkpoint
     # at once, complete, and report it out of turn; training went on to the end, one checkpoint per notice.
     assert calls == [1, 2, 3, 4, 5, 6, 7]
-    assert reported == [(3, None), (5, files), (6, None), (8, files)]
+    assert reported == [(5, files), (8, files)]
     assert summary.checkpoints == [5, 8] and summary.final_step == 8
 
 
