@@ -702,6 +702,12 @@ class FaultStatus(str, enum.Enum):
     FAILED = "FAILED"  # could not be carried out (message says why)
 
 
+SLOW_MODES = ("throttle", "compute")
+"""slow_rank's ways to slow a rank: ``throttle``, a SIGSTOP/SIGCONT duty cycle of its process by the
+agent (from outside, like a host CPU starved by something else: a busy host dilutes it); ``compute``,
+the rank's own compute phase made ``factor`` times longer (a slow accelerator: exact whatever the load)."""
+
+
 class FaultCreate(_Strict):
     """``POST /jobs/{id}/faults``: cause ``kind`` on a rank or node once the job reaches ``step``."""
 
@@ -711,7 +717,7 @@ class FaultCreate(_Strict):
     step: int = Field(0, ge=0, le=INT32_MAX, description="Fire once the job has reached this step (0: at once).")
     params: Params = Field(
         default_factory=dict, max_length=64,
-        description="Kind-specific: slow_rank factor (default 3), durations in seconds, ...",
+        description="Kind-specific: slow_rank factor (default 3) and mode (throttle | compute), durations in seconds, ...",
     )
 
     @model_validator(mode="after")
@@ -726,6 +732,12 @@ class FaultCreate(_Strict):
         for k, v in self.params.items():
             if len(k) > 64 or (isinstance(v, str) and len(v) > 256):
                 raise ValueError("params: keys at most 64 characters, string values at most 256")
+        if self.kind == FaultKind.SLOW_RANK:
+            factor = self.params.get("factor", 3.0)
+            if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1.0 < factor <= 100.0:
+                raise ValueError("params.factor: slow_rank's factor must be a number above 1 and at most 100")
+            if self.params.get("mode", "throttle") not in SLOW_MODES:
+                raise ValueError(f"params.mode: slow_rank's mode must be one of {', '.join(SLOW_MODES)}")
         return self
 
 

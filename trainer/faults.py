@@ -4,10 +4,14 @@ The file is ``<run_dir>/faults/<slug(job id)>/rank-<rank>.json`` (:func:`fault_p
 the rank's node writes it when the controller fires a fault), holding one JSON object::
 
     {"kind": "nan_loss", "step": 120, "fault_id": 7}
+    {"kind": "slow_rank", "step": 40, "factor": 2.0, "fault_id": 8}
 
-``kind``: what to do (only ``nan_loss`` today: the rank's loss of that step is multiplied by NaN
-before ``backward``, so NaN gradients and, unless something guards, NaN parameters follow for
-real). ``step``: the fault fires at the first step >= ``step`` this rank runs. ``fault_id``: the
+``kind``: what to do. ``nan_loss``: the rank's loss of that step is multiplied by NaN before
+``backward``, so NaN gradients and, unless something guards, NaN parameters follow for real.
+``slow_rank``: from that step on, the rank's compute phase (forward + backward) takes ``factor``
+times as long (it waits ``factor - 1`` times the phase's own time after it): a slow accelerator,
+slow whatever else the host runs, unlike a SIGSTOP duty cycle whose effect a busy host dilutes.
+It lasts until the process ends or a later file sets ``factor`` 1. ``step``: the fault fires at the first step >= ``step`` this rank runs. ``fault_id``: the
 controller's id, echoed in the log.
 
 One-shot: when it fires, the rank renames the file to ``rank-<rank>.json.fired`` *before* acting, so
@@ -33,7 +37,9 @@ log = logging.getLogger(__name__)
 FAULTS_DIR = "faults"
 FIRED_SUFFIX = ".fired"
 NAN_LOSS = "nan_loss"
-KNOWN_KINDS = frozenset({NAN_LOSS})
+SLOW_RANK = "slow_rank"
+KNOWN_KINDS = frozenset({NAN_LOSS, SLOW_RANK})
+MAX_SLOW_FACTOR = 100.0
 
 
 def fault_path(run_dir: Path | str, job_id: str, rank: int) -> Path:
@@ -48,6 +54,8 @@ class Fault:
     kind: str
     step: int
     fault_id: int | None = None
+    factor: float = 1.0
+    """``slow_rank``: how many times longer the compute phase takes (1: back to normal)."""
 
 
 class FaultHook:
@@ -81,7 +89,7 @@ class FaultHook:
         self._seen, self._pending = None, None
         log.warning("fault %s (id %s) fires at step %d (asked for step %d)", fault.kind, fault.fault_id, step,
                     fault.step)
-        return Fault(kind=fault.kind, step=step, fault_id=fault.fault_id)
+        return Fault(kind=fault.kind, step=step, fault_id=fault.fault_id, factor=fault.factor)
 
     def _read(self) -> Fault | None:
         assert self.path is not None
@@ -93,6 +101,9 @@ class FaultHook:
                 raise TypeError("kind must be a string and step an integer")
             if fault_id is not None and (isinstance(fault_id, bool) or not isinstance(fault_id, int)):
                 raise TypeError("fault_id must be an integer")
+            factor = body.get("factor", 1.0)
+            if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1.0 <= factor <= MAX_SLOW_FACTOR:
+                raise TypeError(f"factor must be a number from 1 to {MAX_SLOW_FACTOR:g}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             # A half-written file (the writer should rename into place) or a bad one: look again
             # when it changes.
@@ -101,4 +112,4 @@ class FaultHook:
         if kind not in KNOWN_KINDS:
             log.warning("ignoring fault file %s: unknown kind %r (known: %s)", self.path, kind, sorted(KNOWN_KINDS))
             return None
-        return Fault(kind=kind, step=step, fault_id=fault_id)
+        return Fault(kind=kind, step=step, fault_id=fault_id, factor=float(factor))

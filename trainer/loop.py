@@ -38,7 +38,7 @@ from controller.schemas import JobCreate, StepSample
 from trainer import checkpoint
 from trainer.comm import Comm
 from trainer.data import BatchSampler, build_samplers
-from trainer.faults import NAN_LOSS, FaultHook, fault_path
+from trainer.faults import NAN_LOSS, SLOW_RANK, FaultHook, fault_path
 from trainer.model import build_model
 from trainer.optim import Strategy, build_strategy
 from trainer.telemetry import NullTelemetry, TelemetrySink, check_job_id, finite_or_none
@@ -259,6 +259,7 @@ def _train(
     tokens = spec.batch_size * spec.model.context
     pid = os.getpid()
     window: list[float] = []  # finite losses since the last report
+    slow = 1.0  # a slow_rank fault's factor on the compute phase
     last_val: float | None = None
     model.train()
     for step in range(start, spec.steps + 1):
@@ -274,7 +275,12 @@ def _train(
             # The real consequence follows: NaN gradients, and NaN weights after the update.
             loss = loss * float("nan")
             summary.faults.append(step)
+        elif fault is not None and fault.kind == SLOW_RANK:
+            slow = fault.factor
+            summary.faults.append(step)
         loss.backward()
+        if slow > 1.0:  # a slow accelerator: the compute phase takes `slow` times as long
+            time.sleep((slow - 1.0) * (time.perf_counter() - t1))
         t2 = time.perf_counter()
         lr = lr_at(step, spec)
         strategy.step(step, lr)

@@ -86,8 +86,8 @@ def fire_due(session: Session) -> int:
             _finish(session, f, FaultStatus.CLEARED, "job ended before the fault fired")
             continue
         kind = FaultKind(f.kind)
-        # nan_loss is armed at once: the rank itself fires it at the step (the file says which).
-        if kind != FaultKind.NAN_LOSS and (job.last_step is None or job.last_step < f.step):
+        # Faults in a fault file are armed at once: the rank itself fires them at the step (the file says which).
+        if not _in_rank(f) and (job.last_step is None or job.last_step < f.step):
             continue
         if _fire(session, job, f, kind):
             fired += 1
@@ -113,6 +113,9 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
         cmd = (CommandKind.KILL_PID, {"pid": loc.pid, "signal": 9})  # type: ignore[union-attr]
     elif kind == FaultKind.HANG_RANK:
         cmd = (CommandKind.STOP_PID, {"pid": loc.pid})  # type: ignore[union-attr]
+    elif kind == FaultKind.SLOW_RANK and _in_rank(f):
+        cmd = (CommandKind.WRITE_FAULT_FILE, {"job_id": job.id, "rank": f.rank, "fault": {
+            "kind": "slow_rank", "step": f.step, "factor": float(f.params.get("factor", 3.0)), "fault_id": f.id}})
     elif kind == FaultKind.SLOW_RANK:
         factor = float(f.params.get("factor", 3.0))
         cmd = (CommandKind.THROTTLE_PID, {"pid": loc.pid, "factor": factor,  # type: ignore[union-attr]
@@ -147,6 +150,12 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
     return True
 
 
+def _in_rank(f: Fault) -> bool:
+    """Whether the rank itself carries the fault out (a fault file) rather than its node's agent."""
+    kind = FaultKind(f.kind)
+    return kind == FaultKind.NAN_LOSS or (kind == FaultKind.SLOW_RANK and f.params.get("mode") == "compute")
+
+
 def _any_alive_node(session: Session) -> str | None:
     return session.scalar(select(Node.id).where(Node.state == NodeState.ALIVE.value).limit(1))
 
@@ -158,7 +167,13 @@ def clear_fault(session: Session, f: Fault, why: str = "cleared") -> None:
     """Undo a fired fault where it can be undone (a stopped rank continues, a throttle ends)."""
     kind = FaultKind(f.kind)
     if f.status == FaultStatus.FIRED.value and f.node_id:
-        if kind in UNDO and f.rank is not None:
+        if kind == FaultKind.SLOW_RANK and _in_rank(f) and f.rank is not None:
+            # Back to normal speed from the next step (a process already gone took its slowness along).
+            commands.enqueue(session, f.node_id, CommandKind.WRITE_FAULT_FILE, {
+                "job_id": f.job_id, "rank": f.rank,
+                "fault": {"kind": "slow_rank", "step": 0, "factor": 1.0, "fault_id": f.id}},
+                job_id=f.job_id, fault_id=f.id)
+        elif kind in UNDO and f.rank is not None:
             loc = rank_locations(session, f.job_id).get(f.rank)
             if loc is not None:
                 commands.enqueue(session, f.node_id, UNDO[kind], {"pid": loc.pid}, job_id=f.job_id, fault_id=f.id)
@@ -175,7 +190,7 @@ def clear_for_ended_jobs(session: Session) -> None:
                Job.status.in_([s.value for s in JobStatus if s.is_terminal()]))
     ).all()
     for f in rows:
-        needs_undo = FaultKind(f.kind) in UNDO or FaultKind(f.kind) in NETWORK_KINDS
+        needs_undo = (FaultKind(f.kind) in UNDO and not _in_rank(f)) or FaultKind(f.kind) in NETWORK_KINDS
         if f.status == FaultStatus.PENDING.value or needs_undo:
             clear_fault(session, f, "job ended")
 

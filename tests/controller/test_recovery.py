@@ -344,6 +344,20 @@ def test_slow_fault_is_undone_when_cleared(env: Env) -> None:
     assert [c["kind"] for c in env.commands("vigil-node-2")] == ["throttle_pid", "unthrottle_pid"]
 
 
+def test_compute_slow_fault_is_a_fault_file_armed_at_once_and_reset_when_cleared(env: Env) -> None:
+    env.steps(1, 2)
+    fid = env.client.post(f"{API}/jobs/{env.job_id}/faults", json={
+        "kind": "slow_rank", "rank": 1, "step": 30, "params": {"factor": 2, "mode": "compute"}}).json()["id"]
+    env.monitor.step()  # armed before step 30: the rank slows itself from step 30 on
+    cmds = env.commands("vigil-node-2")
+    assert [(c["kind"], c["args"]["fault"]) for c in cmds] == [
+        ("write_fault_file", {"kind": "slow_rank", "step": 30, "factor": 2.0, "fault_id": fid})]
+    env.client.post(f"{API}/jobs/{env.job_id}/faults/{fid}/clear")
+    cmds = env.commands("vigil-node-2")
+    assert [(c["kind"], c["args"]["fault"]["factor"]) for c in cmds] == [("write_fault_file", 2.0),
+                                                                        ("write_fault_file", 1.0)]
+
+
 def test_manual_evict_readmit_and_recover(env: Env) -> None:
     env.steps(1, 2)
     r = env.client.post(f"{API}/nodes/vigil-node-2/evict")
@@ -384,7 +398,10 @@ def test_straggler_on_the_ray_head_is_recorded_but_not_evicted(env: Env) -> None
 @pytest.mark.parametrize(
     "body",
     [{"kind": "kill_rank"}, {"kind": "explode", "rank": 0}, {"kind": "kill_rank", "rank": -1},
-     {"kind": "slow_rank", "rank": 0, "params": {f"k{i}": 1 for i in range(20)}}],
+     {"kind": "slow_rank", "rank": 0, "params": {f"k{i}": 1 for i in range(20)}},
+     {"kind": "slow_rank", "rank": 0, "params": {"factor": 0.5}},
+     {"kind": "slow_rank", "rank": 0, "params": {"factor": "2"}},
+     {"kind": "slow_rank", "rank": 0, "params": {"factor": 2, "mode": "gpu"}}],
 )
 def test_bad_fault_is_422_and_stores_nothing(env: Env, body: dict) -> None:
     r = env.client.post(f"{API}/jobs/{env.job_id}/faults", json=body)

@@ -18,7 +18,7 @@ from typing import Any
 from controller.schemas import CheckpointSample, JobCreate, StepSample
 from trainer import checkpoint
 from trainer.comm import CollectiveRecord
-from trainer.faults import FIRED_SUFFIX, NAN_LOSS, FaultHook, fault_path
+from trainer.faults import FIRED_SUFFIX, NAN_LOSS, SLOW_RANK, FaultHook, fault_path
 from trainer.loop import RankContext, train
 
 
@@ -67,7 +67,8 @@ def test_bad_or_unknown_files_are_ignored_until_they_change(tmp_path: Path) -> N
     path = tmp_path / "rank-0.json"
     hook = FaultHook(path)
     for body in ("{not json", {"kind": NAN_LOSS}, {"kind": NAN_LOSS, "step": "5"}, {"kind": "melt", "step": 1},
-                 {"kind": NAN_LOSS, "step": 1, "fault_id": "x"}):
+                 {"kind": NAN_LOSS, "step": 1, "fault_id": "x"}, {"kind": SLOW_RANK, "step": 1, "factor": 0.5},
+                 {"kind": SLOW_RANK, "step": 1, "factor": True}, {"kind": SLOW_RANK, "step": 1, "factor": 1e9}):
         _write(path, body)
         assert hook.check(5) is None and path.exists(), body
     _write(path, {"kind": NAN_LOSS, "step": 2, "fault_id": 1})  # fixed: read again, fires
@@ -131,3 +132,32 @@ def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refi
     assert all(v is not None and math.isfinite(v) for v in again.losses.values())
     assert again.checkpoints == [6, 8] and again.skipped_checkpoints == []
     assert abs(again.losses[5] - first.losses[4]) < 0.5  # continues from the checkpoint's loss level
+
+
+def test_slow_rank_fault_makes_the_compute_phase_factor_times_longer_until_reset(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    fault = fault_path(tmp_path / "run", "job-slow", 0)
+    # A compute phase of tens of milliseconds, so that a sleep's overshoot (~0.1 ms) is noise.
+    spec = JobCreate.model_validate({**SPEC.model_dump(), "steps": 24, "batch_size": 32,
+                                     "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "context": 64},
+                                     "checkpoint": {"interval_steps": 100, "keep_last": 1}})
+    _write(fault, {"kind": SLOW_RANK, "step": 9, "factor": 3.0, "fault_id": 2})
+    sink = Sink()
+
+    class Reset(Sink):  # at step 16, the controller's clear: a new file with factor 1
+        def send_step(self, sample: StepSample, records: Sequence[CollectiveRecord] = ()) -> None:
+            sink.send_step(sample, records)
+            if sample.step == 16:
+                _write(fault, {"kind": SLOW_RANK, "step": 0, "factor": 1.0, "fault_id": 2})
+
+    out = train(spec, RankContext(rank=0, world_size=1, job_id="job-slow", telemetry=Reset(),
+                                  checkpoint_root=tmp_path / "ckpt", fault_file=fault, cache_dir=corpus_cache))
+    assert out.faults == [9, 17]
+    compute = {s.step: s.fwd_bwd_s for s in sink.steps}
+    before = sorted(compute[s] for s in range(3, 9))[3]
+    during = sorted(compute[s] for s in range(9, 17))[4]
+    after = sorted(compute[s] for s in range(17, 25))[4]
+    # 3x, or more on a busy host: a rank woken from its wait may queue for a core (seen: 3.3 to 6.6)
+    assert 2.5 < during / before < 10
+    assert after / before < 1.6
