@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     launch_retry_s: float = Field(
         300.0, ge=0, description="How long a PENDING job keeps retrying a launch Ray refuses (its agent may be starting)."
     )
-    monitor_interval_s: float = Field(1.0, gt=0, description="How often the detectors and recovery run.")
+    monitor_interval_s: float = Field(0.5, gt=0, description="How often the detectors and recovery run.")
     run_dir: Path = Field(Path("/tmp/vigil"), description="Node-local folder for agent sockets.")
     supervisor_interval_s: float = Field(1.0, gt=0, description="How often the controller polls Ray for job status.")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body the API accepts.")

@@ -51,8 +51,11 @@ class Thresholds:
     hang_k: float = 10.0  # hang: no new step for max(hang_k x median step time, hang_floor_s)
     hang_floor_s: float = 15.0
     stack_wait_s: float = 10.0  # how long to wait for py-spy stacks before acting without them
-    straggler_ratio: float = 1.5  # a rank this much slower than the median of its peers ...
-    straggler_k: int = 8  # ... in k of the last m steps is a straggler
+    straggler_ratio: float = 1.7  # straggler: over the last m scored steps, a rank's median compute this
+    #   many times its peers' median ...
+    straggler_own_ratio: float = 1.4  # ... and this many times its own recent median ...
+    straggler_step_ratio: float = 1.2  # ... slower than its peers by this much in at least k of those steps ...
+    straggler_k: int = 6
     straggler_m: int = 10
     straggler_min_excess_s: float = 0.025  # ... and its compute exceeds its peers' by this much ...
     straggler_min_share: float = 0.25  # ... and by this share of the median step time
@@ -256,20 +259,28 @@ class Monitor:
                        reverse=True)[: th.straggler_m]
         if len(steps) < th.straggler_m:
             return
+        # Persistence: slower than its peers in k of the window's m steps. A per-step bar lower than
+        # the verdict's: on a shared host one step's compute swings by tens of percent either way, so
+        # a rank really 2x slower still shows some steps under 1.5x its peers.
         hits: dict[int, list[float]] = defaultdict(list)
         for st in steps:
             ranks = by_step[st]
             for rank, (compute, _) in ranks.items():
                 peers = [c for r, (c, _) in ranks.items() if r != rank]
                 base = statistics.median(peers)
-                if base > 0 and compute > th.straggler_ratio * base:
+                if base > 0 and compute > th.straggler_step_ratio * base:
                     hits[rank].append(compute / base)
         for rank, ratios in hits.items():
             if len(ratios) < th.straggler_k:
                 continue
+            # Relative to peers over the window: medians, robust to the odd slow or fast step.
+            window = [by_step[st][rank][0] for st in steps if rank in by_step[st]]
+            peer_window = statistics.median(c for st in steps for r, (c, _) in by_step[st].items() if r != rank)
+            to_peers = statistics.median(window) / max(peer_window, 1e-9)
+            if to_peers < th.straggler_ratio:
+                continue
             # Individual score: slower than this rank's own recent past too. A rank that was always a
             # little behind its peers (a busier host, say) is an imbalance, not a new straggler.
-            window = [by_step[st][rank][0] for st in steps if rank in by_step[st]]
             history = s.scalars(
                 select(StepMetric.fwd_bwd_s).where(StepMetric.job_id == job.id, StepMetric.rank == rank,
                                                    StepMetric.step < steps[-1], StepMetric.fwd_bwd_s.is_not(None))
@@ -277,11 +288,10 @@ class Monitor:
             if len(history) < th.straggler_m:
                 continue
             own = statistics.median(window) / max(statistics.median(history), 1e-9)
-            if own < th.straggler_ratio:
+            if own < th.straggler_own_ratio:
                 continue
             # And slower by a margin that matters: on a busy host a few-millisecond compute phase
             # doubles from scheduling noise alone. The excess must be a real share of the step.
-            peer_window = statistics.median(c for st in steps for r, (c, _) in by_step[st].items() if r != rank)
             step_median = statistics.median(t for st in steps for _, t in by_step[st].values())
             excess = statistics.median(window) - peer_window
             if excess < max(th.straggler_min_excess_s, th.straggler_min_share * step_median):
@@ -289,7 +299,8 @@ class Monitor:
             loc = faults.rank_locations(s, job.id).get(rank)
             inc = self._open(s, IncidentKind.STRAGGLER, job.id, loc.node_id if loc else None, rank, {
                 "class": "compute-slow", "slow_steps": len(ratios), "window": th.straggler_m,
-                "median_ratio_to_peers": round(statistics.median(ratios), 3), "threshold": th.straggler_ratio,
+                "median_ratio_to_peers": round(to_peers, 3), "threshold": th.straggler_ratio,
+                "step_threshold": th.straggler_step_ratio, "own_threshold": th.straggler_own_ratio,
                 "ratio_to_own_history": round(own, 3), "excess_s": round(excess, 4),
                 "steps": [steps[-1], steps[0]]})
             if spec.recovery.policy == RecoveryPolicy.EVICT_RESTART and inc.node_id:
