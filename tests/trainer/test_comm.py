@@ -112,3 +112,46 @@ def test_cuda_timings_resolve_at_drain_in_call_order() -> None:
     assert end.synced  # the only place a device sync happens
     assert records[1].duration_s == pytest.approx(0.25)
     assert comm._pending == [] and comm.drain() == []
+
+
+def _reduce_scatters(rank: int, world: int) -> tuple:
+    """comm's reduce-scatter (all-to-all + sum on gloo) against torch's own, and the bytes lo carried."""
+    torch.manual_seed(rank)
+    x = torch.randn(world * 250_000)
+    mine, ref, avg = torch.empty(250_000), torch.empty(250_000), torch.empty(250_000)
+    comm = Comm.from_process_group()
+
+    def lo_bytes() -> int:
+        with open("/proc/net/dev") as f:
+            return next(int(line.split(":")[1].split()[0]) for line in f if line.strip().startswith("lo:"))
+
+    dist.barrier()
+    b0 = lo_bytes()
+    dist.barrier()
+    comm.reduce_scatter_tensor(mine, x, tag="rs")
+    dist.barrier()
+    b1 = lo_bytes()
+    dist.barrier()
+    dist.reduce_scatter_tensor(ref, x.clone())
+    dist.barrier()
+    b2 = lo_bytes()
+    comm.reduce_scatter_tensor(avg, x, op=dist.ReduceOp.AVG, tag="rs")
+    expected = x.new_zeros(250_000)  # every rank's input, summed in rank order, this rank's chunk
+    for r in range(world):
+        torch.manual_seed(r)
+        expected += torch.randn(world * 250_000)[rank * 250_000:(rank + 1) * 250_000]
+    return (torch.equal(mine, expected), torch.allclose(mine, ref, atol=1e-5), torch.equal(avg, expected / world),
+            b1 - b0, b2 - b1)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_reduce_scatter_on_gloo_moves_a_ring_reduce_scatters_bytes() -> None:
+    """gloo's own reduce-scatter is an all-reduce (2 (n-1)/n of the input leaves each rank); the layer's
+    moves (n-1)/n, what it reports as wire bytes, with the exact sum in rank order."""
+    world, payload = 4, 4 * 250_000 * 4
+    per_rank = run_ranks(world, _reduce_scatters, timeout=TIMEOUT)
+    for exact, close, avg_exact, _, _ in per_rank:
+        assert exact and close and avg_exact
+    ours, gloo = per_rank[0][3], per_rank[0][4]  # lo counts every rank's traffic (plus barriers)
+    assert ours == pytest.approx(world * (world - 1) / world * payload, rel=0.05)
+    assert gloo == pytest.approx(2 * ours, rel=0.05)
