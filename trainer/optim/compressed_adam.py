@@ -8,20 +8,46 @@ owners: the zero-padded flat gradient is cut into N equal partitions and rank j 
     owner j:  s = mean_i D(c_i[j]) + e_s;  c_s = C(s);  e_s = s - D(c_s)  # pull: all-gather of every c_s
     worker:   g_hat = D(c_s for all partitions);  AdamW step on g_hat
 
-Placement of the Adam moments (followed here): the moments live on every worker and are updated
-from the decompressed pulled gradient g_hat, which every rank decodes from the same bytes, so the
-moments and the parameters are bitwise identical on all ranks (tested); the owners aggregate and
-error-compensate *gradients* only, they keep no optimizer state. This is the placement of the
-ALGORITHMS.md pseudo-code. The text of the paper's Algorithm 1 could not be consulted where this
-was written (offline), so a difference from it, if any, is not confirmed either way: the
-alternative placement would keep (m, v) on the owner of each partition and compress the Adam
-update instead of the gradient.
+Placement of the Adam moments (followed here): on every worker, updated from the decompressed
+pulled gradient g_hat. Every rank decodes g_hat from the same bytes, so the moments and the
+parameters are bitwise identical on all ranks (tested); the owners (the servers) aggregate and
+error-compensate *gradients* only and keep no optimizer state. Why this one: it is the placement
+of the ALGORITHMS.md pseudo-code and of the authors' own system. In BytePS-Compress (github
+bytedance/byteps, ``byteps/torch/__init__.py``, ``byteps/common/compressor/``) the
+``DistributedOptimizer`` compresses each parameter's gradient (vanilla error feedback: p = g + e,
+e = p - C(p), on the worker and again on the server after summing), and the wrapped torch optimizer
+(Adam / LANS) then steps on the decompressed result on every worker; the authors' BERT scripts
+(github as9ceIiF7D/byteps-compress, ``BERT/scripts/run_pretraining.sh``) run exactly that with
+``--compressor onebit --onebit-scaling --ef vanilla``. The text of the paper's Algorithm 1 could not
+be retrieved where this was written (only its abstract), so whether the algorithm as *analysed*
+compresses something else (e.g. a preconditioned update or the momentum) is not confirmed; the
+alternative would keep (m, v) on the owner of each partition and compress the Adam update.
+
+What error feedback does to Adam here (measured on the convergence benchmark's model, 4 ranks,
+192 steps; docs/BENCHMARKS.md "Convergence"): with onebit, every coordinate of a scale group
+receives +-s, s = mean |g + e| of the group. A few coordinates with large, steady gradients
+(frequent bytes' embedding rows, biases) exceed s every step, keep the excess in e, and their
+error grows until s itself is that large: mostly 5-70x the gradient per tensor, up to 135x (a
+synthetic vector with 1/64 of its coordinates 10x the rest reaches 31x). Those coordinates then move on gradients tens
+of steps old, and every other coordinate gets +-s alternating around its small true gradient,
+which Adam normalises by sqrt(v) ~ s into steps that are mostly that oscillation. Measured: after
+step 48 the step's cosine with the true mean gradient is 0.01-0.04 with error feedback and
+0.09-0.10 without (median step 0.055 vs 0.13 x lr); the loss stalls near 3.3 (still 3.24 after
+960 steps). Without error feedback each coordinate gets sign(g_i) s, which Adam turns into a
+sign-momentum step on the current gradient. The harm comes from the worker-side buffer (worker
+error only: 3.24; owner error only: 2.81; neither: 2.68; DDP AdamW 2.42, seed 0), and top-k with
+error feedback shows it too (bursts: a coordinate sent once in K steps arrives K times larger).
+This is the interaction of error compensation with Adam's non-linear normalisation that 1-bit Adam
+(Tang et al., 2021) avoids by freezing v after an uncompressed warmup; it is not a defect of the
+error buffers, whose bookkeeping is exact (``test_error_feedback_loses_nothing``).
 
 Compressors (vectorized; every message is a uint8 tensor, one row per partition):
 
 * ``onebit``: sign bits packed 8 per byte + one fp32 scale = mean|x| per group of ``chunk``
-  elements (``chunk=0``: one scale per partition, as BytePS scales each partition it sends).
-  1 + 32/chunk b/p per direction.
+  elements (``chunk=0``: one scale per piece of a parameter tensor inside a partition, as BytePS
+  compresses every tensor on its own: a scale never spans two tensors, whose gradients differ by
+  10-100x in magnitude). 1 + 32/chunk b/p per direction (chunk=0: 1 + 32 S/P, S the most tensor
+  pieces in one partition of P elements).
 * ``randk``: k = ratio x partition values at positions drawn from a generator seeded identically on
   every rank (with replacement, as BytePS), values only: 32 k/d. Without error feedback the values
   are scaled by d/k (unbiased), as BytePS does when no error feedback is configured.
@@ -40,6 +66,7 @@ Use in your own loop::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +105,7 @@ class CompressedAdamParams:
     ratio: float = 0.01
     """k / d for randk and topk (per partition; at least one value)."""
     chunk: int = 0
-    """onebit: elements per fp32 scale, a multiple of 8 (0: one scale per owner partition)."""
+    """onebit: elements per fp32 scale, a multiple of 8 (0: one scale per tensor piece of each owner partition)."""
     error_feedback: bool = True
     """Keep the worker and owner compression errors (False: the no-feedback ablation)."""
     seed: int = 0
@@ -98,15 +125,35 @@ class Compressor:
     once, so every rank knows every partition's positions).
     """
 
-    def __init__(self, cfg: CompressedAdamParams, partition: int, parts: int, real: torch.Tensor, seed: int) -> None:
+    def __init__(self, cfg: CompressedAdamParams, partition: int, parts: int, real: torch.Tensor, seed: int,
+                 sizes: Sequence[int] | None = None) -> None:
         self.cfg = cfg
         self.partition = partition
         self.parts = parts
         self.group = cfg.chunk if cfg.chunk else partition
         self.k = max(1, min(partition, round(cfg.ratio * partition)))
-        # Real (not padding) elements per onebit scale group, per partition: [parts, P // group]
-        # (on the parameters' device; the positions of randk are drawn on the CPU, identically everywhere).
-        self.counts = real.view(parts, partition // self.group, self.group).sum(-1).clamp_min(1).float()
+        real_rows = real.view(parts, partition)
+        # onebit with chunk=0: one scale per piece of a tensor inside a partition (``sizes``: the
+        # flat buffer's tensors in order), as BytePS compresses every tensor on its own; a scale
+        # spanning several tensors would be the mean |x| of gradients whose magnitudes differ by
+        # 10-100x between layers. ``segments``: [parts, P] scale index of every element (padding
+        # joins the last tensor's piece); ``scales``: scales per message (the most pieces any
+        # partition has; a partition with fewer sends zeros in the spare slots).
+        self.segments: torch.Tensor | None = None
+        if cfg.compressor == "onebit" and not cfg.chunk and sizes:
+            ends = torch.tensor(list(sizes), dtype=torch.long).cumsum(0)
+            tensor = torch.searchsorted(ends, torch.arange(parts * partition), right=True)
+            tensor = tensor.clamp_max(len(ends) - 1).view(parts, partition)
+            self.segments = (tensor - tensor[:, :1]).to(real.device)
+            self.scales = int(self.segments.max()) + 1
+            # Real (not padding) elements per scale, per partition: [parts, scales]
+            self.counts = torch.zeros(parts, self.scales, device=real.device).scatter_add_(
+                1, self.segments, real_rows.float()).clamp_min(1)
+        else:
+            self.scales = partition // self.group
+            # Real (not padding) elements per onebit scale group, per partition: [parts, P // group]
+            # (on the parameters' device; the positions of randk are drawn on the CPU, identically everywhere).
+            self.counts = real_rows.view(parts, self.scales, self.group).sum(-1).clamp_min(1).float()
         self.generator = torch.Generator().manual_seed(seed)
         self._idx: torch.Tensor | None = None
 
@@ -117,14 +164,18 @@ class Compressor:
 
     def message_bytes(self) -> int:
         if self.cfg.compressor == "onebit":
-            return self.partition // 8 + 4 * (self.partition // self.group)
+            return self.partition // 8 + 4 * self.scales
         return 4 * self.k if self.cfg.compressor == "randk" else 8 * self.k
 
     def compress(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         g = x.shape[0]
         if self.cfg.compressor == "onebit":
-            groups = x.view(g, -1, self.group)
-            scale = groups.abs().sum(-1).div_(self.counts[rows.to(self.counts.device)])
+            r = rows.to(self.counts.device)
+            if self.segments is None:
+                scale = x.view(g, -1, self.group).abs().sum(-1).div_(self.counts[r])
+            else:
+                scale = torch.zeros(g, self.scales, dtype=x.dtype, device=x.device).scatter_add_(
+                    1, self.segments[r], x.abs()).div_(self.counts[r])
             bits = (x < 0).view(g, -1, 8).to(torch.uint8) << _SHIFTS.to(x.device)
             packed = bits.sum(-1, dtype=torch.uint8)
             return torch.cat([packed, scale.contiguous().view(torch.uint8).view(g, -1)], dim=1)
@@ -145,8 +196,11 @@ class Compressor:
         if self.cfg.compressor == "onebit":
             nb = self.partition // 8
             bits = (msg[:, :nb].unsqueeze(-1) >> _SHIFTS.to(msg.device)) & 1
-            sign = 1.0 - 2.0 * bits.view(g, -1, self.group).float()
             scale = _bytes_as(msg[:, nb:], torch.float32)
+            if self.segments is not None:
+                sign = 1.0 - 2.0 * bits.view(g, self.partition).float()
+                return sign * scale.gather(1, self.segments[rows.to(self.segments.device)])
+            sign = 1.0 - 2.0 * bits.view(g, -1, self.group).float()
             return (sign * scale.unsqueeze(-1)).view(g, self.partition)
         out = torch.zeros(g, self.partition, dtype=torch.float32, device=msg.device)
         if self.cfg.compressor == "randk":
@@ -174,7 +228,7 @@ class CompressedAdamW(Strategy):
         real = torch.zeros(self.flat.padded, dtype=torch.bool, device=device)
         real[: self.flat.numel] = True
         self._real_owner = real.view(n, self.partition)[comm.rank if n > 1 else 0]
-        self.compressor = Compressor(cfg, self.partition, n, real, cfg.seed)
+        self.compressor = Compressor(cfg, self.partition, n, real, cfg.seed, self.flat.sizes)
         self.worker_error = torch.zeros(self.flat.padded, dtype=torch.float32, device=device)
         self.owner_error = torch.zeros(self.partition, dtype=torch.float32, device=device)
         self.optimizer = torch.optim.AdamW(self.params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)

@@ -1,7 +1,9 @@
-"""Two-way compressed AdamW (ALGORITHMS.md §4): identical moments, wire bits, lossless limit, ablation.
+"""Two-way compressed AdamW (ALGORITHMS.md §4): identical moments, wire bits, lossless limit, ablation,
+exact error-feedback bookkeeping, per-tensor onebit scales.
 
 Needs torch with gloo; multi-rank tests run 2-4 processes through ``harness.run_ranks`` (127.0.0.1,
-free port, under a timeout). The compressor round trips are single-process.
+free port, under a timeout). The compressor round trips and the per-tensor onebit scale are
+single-process (no process group: one owner).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def test_moments_and_parameters_identical_on_all_ranks_and_wire_bits() -> None:
     p = per_rank[0]["onebit{}"]["partition"]  # 212 params padded to 224, 56 per owner
     assert p == 56
     expected = {
-        "onebit{}": 1 + 32 / p,  # one sign bit + one fp32 scale per partition, each direction
+        # one sign bit + one fp32 scale per tensor piece: owner 2 holds pieces of W1, b1 and W2,
+        # owner 3 of W2, b2 (and padding), so every message has room for 3 scales
+        "onebit{}": 1 + 3 * 32 / p,
         "onebit{'chunk': 8}": 1 + 32 / 8,
         "randk{'ratio': 0.25}": 32 * 14 / p,  # values only: 32 k/d
         "topk{'ratio': 0.25}": 64 * 14 / p,  # values + indices: 64 k/d
@@ -116,6 +120,67 @@ def test_error_feedback_ablation_random_k() -> None:
     with_ef = sum(run_ranks(2, _train, "compressed_adam", steps, ef, timeout=TIMEOUT)) / 2
     without = sum(run_ranks(2, _train, "compressed_adam", steps, {**ef, "error_feedback": False}, timeout=TIMEOUT)) / 2
     assert base < with_ef < 0.6 * without, (base, with_ef, without)
+
+
+def _ef_bookkeeping(rank: int, world: int) -> dict:
+    """Feed ``exchange`` heavy-tailed random gradients; return what the error-feedback identity needs."""
+    out = {}
+    for name, params in COMPRESSORS:
+        strategy = make("compressed_adam", tiny_mlp(), compressor=name, **params)
+        n, padded = strategy.flat.numel, strategy.flat.padded
+        sent = torch.zeros(padded, dtype=torch.float64)
+        received = torch.zeros(padded, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        for _ in range(6):
+            g = torch.randn(padded, generator=gen) * torch.where(torch.rand(padded, generator=gen) < 0.05, 30.0, 1.0)
+            g[n:] = 0.0
+            sent += g.double()
+            received += strategy.exchange(g).double()
+        out[f"{name}{params}"] = {"sent": sent[:n], "received": received[:n], "numel": n,
+                                  "worker_error": strategy.worker_error[:n].double(),
+                                  "owner_error": strategy.owner_error.double()}
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_error_feedback_loses_nothing() -> None:
+    """sum_t g_hat_t = sum_t mean_i g_i,t - mean_i e_i - e_s, exactly (up to float rounding), for every
+    compressor: each step's g_hat = mean_i g_i + mean_i (e_i,old - e_i,new) + e_s,old - e_s,new.
+
+    Catches an error buffer added with the wrong sign, scaled, dropped, or an owner error applied to
+    the wrong partition; the ranks' pulled gradients must also agree.
+    """
+    per_rank = run_ranks(4, _ef_bookkeeping, timeout=TIMEOUT)
+    for key, first in per_rank[0].items():
+        n = first["numel"]
+        for other in per_rank[1:]:
+            assert torch.equal(first["received"], other[key]["received"]), key
+        mean_sent = sum(r[key]["sent"] for r in per_rank) / 4
+        mean_worker_error = sum(r[key]["worker_error"] for r in per_rank) / 4
+        owner_error = torch.cat([r[key]["owner_error"] for r in per_rank])[:n]  # owner j holds partition j
+        residual = mean_sent - first["received"] - mean_worker_error - owner_error
+        scale = float(mean_sent.abs().max())
+        assert float(residual.abs().max()) < 1e-5 * scale, (key, float(residual.abs().max()))
+        assert float(mean_worker_error.abs().max()) > 1e-3 * scale, key  # the buffers are really in use
+
+
+def test_onebit_scale_is_per_tensor() -> None:
+    """chunk=0: one scale per tensor (piece), as BytePS compresses each tensor on its own. A scale
+    shared by a layer with gradients ~1e-3 and one with gradients ~1 would hand the small layer
+    sign(g) x (mostly the large layer's magnitude)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
+    strategy = make("compressed_adam", model, compressor="onebit")  # no process group: one owner
+    grads = [torch.randn(8, 8) * 1e-3, torch.randn(4, 8)]
+    flat = torch.zeros(strategy.flat.padded)
+    flat[: strategy.flat.numel] = torch.cat([g.reshape(-1) for g in grads])
+    g_hat = strategy.exchange(flat)
+    offset = 0
+    for g in grads:
+        piece = g_hat[offset : offset + g.numel()]
+        expected = torch.where(g.reshape(-1) < 0, -1.0, 1.0) * g.abs().mean()
+        assert torch.allclose(piece, expected, rtol=1e-6, atol=0), piece
+        offset += g.numel()
 
 
 def test_compressor_round_trips() -> None:
