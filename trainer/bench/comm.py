@@ -198,3 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = run(args.steps, args.world, configs)
     sys.stdout.write((json.dumps(entries, indent=1) if args.json else _table(entries)) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
