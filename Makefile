@@ -18,7 +18,7 @@ run: $(STAMP)
 
 ## make test: the whole suite (unit, integration with real Ray / PostgreSQL / Chromium, end-to-end)
 test: $(STAMP) browser
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"

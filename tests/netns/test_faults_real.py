@@ -94,3 +94,61 @@ def test_partition_drops_everything_and_lifts_itself(tmp_path: Path) -> None:
         time.sleep(max(0.0, 7.5 - (time.monotonic() - t0)))
         assert not nf.current.partitioned
         assert _send(net, 4).stdout.strip() == str(4 << 20)
+
+
+ECHO_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5002)); s.listen(1)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (d := c.recv(64)):
+    c.sendall(d)
+"""
+PING = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 5002), timeout=10); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(20):
+    t0 = time.perf_counter(); s.sendall(b"x"); s.recv(64); rtts.append(time.perf_counter() - t0)
+print(sorted(rtts)[10])
+"""
+
+
+def _median_rtt_s(net: netns.NetnsCluster) -> float:
+    src, dst = net.node(1), net.node(2)
+    server = subprocess.Popen(dst.exec_argv([sys.executable, "-c", ECHO_SERVER, dst.address]))
+    try:
+        time.sleep(0.5)
+        r = subprocess.run(src.exec_argv([sys.executable, "-c", PING, dst.address]), capture_output=True, text=True,
+                           timeout=60, check=True)
+        return float(r.stdout.strip())
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def _kernel_has_netem(node: netns.NodeNet) -> bool:
+    """Whether this kernel has sch_netem: a netem qdisc on the loopback of the node's own namespace."""
+    r = subprocess.run(node.exec_argv(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]),
+                       capture_output=True, text=True, check=False)
+    if r.returncode == 0:
+        subprocess.run(node.exec_argv(["tc", "qdisc", "del", "dev", "lo", "root"]), capture_output=True, check=False)
+    return r.returncode == 0
+
+
+def test_latency_delays_each_round_trip_or_says_the_kernel_cannot(tmp_path: Path) -> None:
+    """With sch_netem, +40 ms on node 1's egress shows in every round trip; without it (this project's
+    machine), nic_latency answers that it needs sch_netem and leaves the link as configured."""
+    with network(tmp_path, 2, netns.LinkSpec(rate="200mbit")) as net:
+        nf = NetFaults("eth0", net.link, netns=net.node(1).namespace)
+        base = _median_rtt_s(net)
+        ok, msg, _ = nf.run({"kind": "nic_latency", "delay_ms": 40})
+        if _kernel_has_netem(net.node(1)):
+            assert ok, msg
+            assert _median_rtt_s(net) >= base + 0.035
+            assert nf.run({"kind": "clear"})[0]
+            assert _median_rtt_s(net) < base + 0.02
+        else:
+            assert not ok and "netem" in msg, msg
+            assert nf.current == net.link  # nothing half applied
+            assert _median_rtt_s(net) < base + 0.02
+            assert _send(net, 4).stdout.strip() == str(4 << 20)
