@@ -1,4 +1,5 @@
-"""Node metrics for the heartbeat: host (psutil), NICs (/proc and /sys), GPUs (NVML).
+"""Node metrics for the heartbeat: host (psutil), NICs (/proc and /sys), InfiniBand ports (/sys),
+GPUs (NVML, with XID error events).
 
 Every collector returns plain JSON-able data and never raises: what it cannot read it reports as
 ``{"available": False, "reason": ...}`` (no GPU, no NVML, an interface without a speed, ...).
@@ -238,6 +239,123 @@ class NicCollector:
 
 
 # --------------------------------------------------------------------------------------------------
+# InfiniBand
+# --------------------------------------------------------------------------------------------------
+
+#: IB port counters that count 4-byte words, not bytes (the IBA spec's PortXmitData / PortRcvData).
+_IB_WORDS = {"port_xmit_data": "tx_bytes", "port_rcv_data": "rx_bytes"}
+#: IB port counters under the names the NIC collector uses, so both read alike downstream.
+_IB_AS_NIC = {
+    "port_xmit_packets": "tx_packets",
+    "port_rcv_packets": "rx_packets",
+    "port_rcv_errors": "rx_errs",
+    "port_xmit_discards": "tx_drop",
+    "port_rcv_remote_physical_errors": "rx_remote_physical_errs",
+}
+#: Link-health counters of an IB port (errors a sick cable or switch port shows first).
+_IB_HEALTH = ("symbol_error", "link_downed", "link_error_recovery", "local_link_integrity_errors",
+              "excessive_buffer_overrun_errors", "port_xmit_constraint_errors", "port_rcv_constraint_errors")
+
+
+def _parse_ib_rate_mbps(text: str | None) -> int | None:
+    """``"100 Gb/sec (4X EDR)"`` -> 100000; None when unreadable."""
+    if not text:
+        return None
+    head = text.split()
+    try:
+        value = float(head[0])
+    except (IndexError, ValueError):
+        return None
+    unit = head[1].lower() if len(head) > 1 else "gb/sec"
+    return int(value * (1000 if unit.startswith("gb") else 1))
+
+
+class InfinibandCollector:
+    """Per-port counters of InfiniBand / RoCE HCAs from ``/sys/class/infiniband``, with rates.
+
+    Each port (``mlx5_0/1``) is reported in the NIC collector's shape (``rx_bytes``, ``tx_packets``,
+    ``rx_errs``, ``operstate``, ``speed_mbps``, ``*_per_s`` rates from counter deltas, None on the
+    first reading and after a reset), plus the link-health counters (``symbol_error``,
+    ``link_downed``, ...). ``port_xmit_data`` / ``port_rcv_data`` count 4-byte words: bytes are 4x.
+    A node without an HCA reports ``unavailable`` as data.
+    """
+
+    name = "infiniband"
+
+    def __init__(self, sys_root: str | Path = "/sys", clock: Callable[[], float] = time.monotonic) -> None:
+        self._root = Path(sys_root) / "class" / "infiniband"
+        self._clock = clock
+        self._prev: dict[str, tuple[float, dict[str, int]]] = {}
+
+    def collect(self) -> Metrics:
+        try:
+            hcas = sorted(p for p in self._root.iterdir() if p.is_dir())
+        except FileNotFoundError:
+            return unavailable(f"no InfiniBand device ({self._root} absent)")
+        except OSError as exc:
+            return unavailable(f"cannot read {self._root}: {_describe(exc)}")
+        now = self._clock()
+        ports: dict[str, Metrics] = {}
+        for hca in hcas:
+            try:
+                port_dirs = sorted((hca / "ports").iterdir(), key=lambda p: p.name)
+            except OSError:
+                continue
+            for port in port_dirs:
+                ports[f"{hca.name}/{port.name}"] = self._port(f"{hca.name}/{port.name}", port, now)
+        self._prev = {k: v for k, v in self._prev.items() if k in ports}
+        if not ports:
+            return unavailable(f"no InfiniBand port under {self._root}")
+        return {"available": True, "ports": ports}
+
+    def _port(self, key: str, port: Path, now: float) -> Metrics:
+        raw: dict[str, int] = {}
+        try:
+            for f in (port / "counters").iterdir():
+                with contextlib.suppress(OSError, ValueError):
+                    raw[f.name] = int(f.read_text().strip())
+        except OSError:
+            pass
+        cur: dict[str, int] = {}
+        for name, as_nic in _IB_WORDS.items():
+            if name in raw:
+                cur[as_nic] = 4 * raw[name]
+        for name, as_nic in _IB_AS_NIC.items():
+            if name in raw:
+                cur[as_nic] = raw[name]
+        m: Metrics = dict(cur)
+        m.update({h: raw[h] for h in _IB_HEALTH if h in raw})
+        state = _read_text(port / "state")  # "4: ACTIVE"
+        m["ib_state"] = state.split(":", 1)[-1].strip() if state else None
+        m["operstate"] = None if state is None else ("up" if m["ib_state"] == "ACTIVE" else "down")
+        m["phys_state"] = (_read_text(port / "phys_state") or "").split(":", 1)[-1].strip() or None
+        m["speed_mbps"] = _parse_ib_rate_mbps(_read_text(port / "rate"))
+        m["link_layer"] = _read_text(port / "link_layer")
+        prev = self._prev.get(key)
+        dt = now - prev[0] if prev is not None else None
+        rated = {c: r for c, r in _RATED.items() if c in cur}
+        reset = prev is not None and any(cur[c] < prev[1].get(c, 0) for c in rated)
+        if prev is None or dt is None or dt <= 0 or reset:
+            m["interval_s"] = None
+            m.update({r: None for r in rated.values()})
+            if reset:
+                m["counter_reset"] = True
+        else:
+            m["interval_s"] = dt
+            for c, r in rated.items():
+                m[r] = (cur[c] - prev[1][c]) / dt if c in prev[1] else None
+        self._prev[key] = (now, cur)
+        return m
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
 # GPUs
 # --------------------------------------------------------------------------------------------------
 
@@ -248,11 +366,24 @@ def _load_pynvml() -> ModuleType:
     return pynvml
 
 
+#: XID errors remembered per GPU (the newest; the count covers all of them).
+XID_RECENT = 8
+#: Most XID events taken from NVML per collection (the rest wait for the next one).
+XID_DRAIN_MAX = 256
+
+
 class GpuCollector:
-    """Per-GPU utilisation, memory, temperature, power and ECC errors through NVML.
+    """Per-GPU utilisation, memory, temperature, power, ECC and XID errors through NVML.
 
     ``nvml`` is the pynvml module or a fake with the same functions. When NVML cannot start (no
     driver, no GPU) the collector reports why, and tries again at most every ``retry_s``.
+
+    XID errors (the driver's reports of a GPU fault: 48 double-bit ECC, 79 fallen off the bus, ...)
+    are NVML *events*: the collector registers every GPU that supports them for
+    ``nvmlEventTypeXidCriticalError`` once, and drains the event set without waiting at each
+    collection. Per device: ``xid_errors`` (count since the agent started), ``last_xid`` and
+    ``recent_xids`` (newest last); ``None`` with ``xid_reason`` where XID events are unsupported or
+    could not be registered (a container without the rights, say).
     """
 
     name = "gpus"
@@ -269,6 +400,11 @@ class GpuCollector:
         self._ready = False
         self._failure: str | None = None
         self._failed_at = float("-inf")
+        self._events: Any = None  # the NVML event set XIDs arrive on (None: none registered)
+        self._xid_reason: dict[int, str] = {}  # device index -> why it has no XID events
+        self._xids: dict[int, list[int]] = {}  # device index -> recent XID codes
+        self._xid_count: dict[int, int] = {}
+        self._xid_registered = False
 
     def _init(self) -> str | None:
         """Start NVML if needed; the reason it is unavailable, or None."""
@@ -299,15 +435,77 @@ class GpuCollector:
             return unavailable(f"nvmlDeviceGetCount failed: {_describe(exc)}")
         if count == 0:
             return unavailable("no GPU on this node")
+        if not self._xid_registered:
+            self._register_xid(count)
+        self._drain_xid()
         devices = []
         for i in range(count):
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(i)
             except Exception as exc:  # noqa: BLE001 - a lost GPU is reported, not raised
-                devices.append({"index": i, **unavailable(_describe(exc))})
+                devices.append({"index": i, **unavailable(_describe(exc)), **self._xid_metrics(i)})
                 continue
-            devices.append({"index": i, "available": True, **self._device(h)})
+            devices.append({"index": i, "available": True, **self._device(h), **self._xid_metrics(i)})
         return {"available": True, "count": count, "devices": devices}
+
+    # -- XID errors -------------------------------------------------------------------------------
+    def _register_xid(self, count: int) -> None:
+        """Register every GPU that supports XID events on one event set (once)."""
+        nv: Any = self._nvml
+        self._xid_registered = True
+        xid_type = getattr(nv, "nvmlEventTypeXidCriticalError", None)
+        if xid_type is None or not hasattr(nv, "nvmlEventSetCreate"):
+            self._xid_reason = dict.fromkeys(range(count), "this NVML binding has no XID events")
+            return
+        try:
+            self._events = nv.nvmlEventSetCreate()
+        except Exception as exc:  # noqa: BLE001 - reported as data
+            self._xid_reason = dict.fromkeys(range(count), f"nvmlEventSetCreate failed: {_describe(exc)}")
+            return
+        for i in range(count):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                if not nv.nvmlDeviceGetSupportedEventTypes(h) & xid_type:
+                    self._xid_reason[i] = "XID events not supported by this GPU"
+                    continue
+                nv.nvmlDeviceRegisterEvents(h, xid_type, self._events)
+            except Exception as exc:  # noqa: BLE001 - no rights, not supported: reported as data
+                self._xid_reason[i] = f"cannot register XID events: {_describe(exc)}"
+                continue
+            self._xids[i], self._xid_count[i] = [], 0
+
+    def _drain_xid(self) -> None:
+        """Take the XID events NVML holds, without waiting."""
+        if self._events is None or not self._xids:
+            return
+        nv: Any = self._nvml
+        wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
+        timeout_error = getattr(nv, "NVMLError_Timeout", None)
+        for _ in range(XID_DRAIN_MAX):
+            try:
+                ev = wait(self._events, 0)
+            except Exception as exc:  # noqa: BLE001 - a timeout means "no event"; anything else is logged
+                if timeout_error is None or not isinstance(exc, timeout_error):
+                    log.warning("reading NVML XID events failed: %s", _describe(exc))
+                return
+            try:
+                index = int(nv.nvmlDeviceGetIndex(ev.device))
+            except Exception:  # noqa: BLE001 - a device that vanished: keep the event on no GPU
+                continue
+            if index not in self._xids:
+                continue
+            xid = int(ev.eventData)
+            log.warning("GPU %d reported XID %d", index, xid)
+            self._xid_count[index] += 1
+            self._xids[index] = [*self._xids[index], xid][-XID_RECENT:]
+
+    def _xid_metrics(self, index: int) -> Metrics:
+        if index in self._xids:
+            recent = self._xids[index]
+            return {"xid_errors": self._xid_count[index], "last_xid": recent[-1] if recent else None,
+                    "recent_xids": list(recent)}
+        return {"xid_errors": None, "last_xid": None, "recent_xids": None,
+                "xid_reason": self._xid_reason.get(index, "not registered")}
 
     def _device(self, h: Any) -> Metrics:
         nv: Any = self._nvml

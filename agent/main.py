@@ -32,7 +32,14 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent import netfaults
-from agent.collectors import Collector, CollectorLoop, GpuCollector, HostCollector, NicCollector
+from agent.collectors import (
+    Collector,
+    CollectorLoop,
+    GpuCollector,
+    HostCollector,
+    InfinibandCollector,
+    NicCollector,
+)
 from agent.commands import (
     ClientCommandTransport,
     CommandExecutor,
@@ -266,6 +273,7 @@ class Agent:
             collectors = [
                 HostCollector(disk_paths=[*config.disk_paths, config.spool_dir.parent]),
                 NicCollector(),
+                InfinibandCollector(),
                 GpuCollector(),
                 *netfaults.node_collectors(),  # a --netns node's shaped link (rate, queues), from tc
             ]

@@ -211,14 +211,15 @@ class VigilCollector(Collector):
 
 
 def _interfaces(host: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """``host.nics.interfaces`` of a heartbeat, or nothing when absent or unavailable."""
-    nics = (host or {}).get("nics")
-    if not isinstance(nics, dict):
-        return {}
-    interfaces = nics.get("interfaces")
-    if not isinstance(interfaces, dict):
-        return {}
-    return {str(k): v for k, v in interfaces.items() if isinstance(v, dict)}
+    """``host.nics.interfaces`` and ``host.infiniband.ports`` (``mlx5_0/1``: same keys) of a heartbeat,
+    or nothing when absent or unavailable."""
+    out: dict[str, dict[str, Any]] = {}
+    for collector, key in (("nics", "interfaces"), ("infiniband", "ports")):
+        section = (host or {}).get(collector)
+        entries = section.get(key) if isinstance(section, dict) else None
+        if isinstance(entries, dict):
+            out.update({str(k): v for k, v in entries.items() if isinstance(v, dict)})
+    return out
 
 
 def make_registry(sessions: sessionmaker[Session], *, max_jobs: int = 20, max_ranks: int = 32) -> CollectorRegistry:

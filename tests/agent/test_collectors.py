@@ -1,8 +1,10 @@
-"""Collectors: NIC rates from fake /proc and /sys trees, the GPU "unavailable" path, host metrics.
+"""Collectors: NIC and InfiniBand rates from fake /proc and /sys trees, the GPU "unavailable" path,
+XID events, host metrics.
 
-Needs: nothing beyond the venv. NIC tests use fake files and a fake clock; the host test reads
-the real machine through psutil; the GPU test checks the real NVML answer on this machine (the
-"unavailable" path without a GPU) and drives a fake NVML module for the per-device path.
+Needs: nothing beyond the venv. NIC and IB tests use fake files and a fake clock (this machine has
+no HCA: the real /sys gives the "unavailable" answer); the host test reads the real machine
+through psutil; the GPU test checks the real NVML answer on this machine (the "unavailable" path
+without a GPU) and drives a fake NVML module for the per-device path and XID events.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.collectors import CollectorLoop, GpuCollector, HostCollector, NicCollector, parse_proc_net_dev
+from agent.collectors import (
+    CollectorLoop,
+    GpuCollector,
+    HostCollector,
+    InfinibandCollector,
+    NicCollector,
+    parse_proc_net_dev,
+)
 from tests.agent.doubles import FakeClock
 
 HEADER = (
@@ -136,15 +145,50 @@ class FakeNvmlError(Exception):
     pass
 
 
+class FakeNvmlTimeout(FakeNvmlError):
+    pass
+
+
 class FakeNvml:
     """The subset of pynvml the collector calls."""
 
     NVML_TEMPERATURE_GPU = 0
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
+    nvmlEventTypeXidCriticalError = 8
+    NVMLError_Timeout = FakeNvmlTimeout
 
-    def __init__(self, count: int = 1, init_error: Exception | None = None) -> None:
+    def __init__(self, count: int = 1, init_error: Exception | None = None, xid_supported: tuple[int, ...] = ()) -> None:
         self.count, self.init_error, self.inits = count, init_error, 0
+        self.xid_supported = xid_supported  # devices whose supported event types include XIDs
+        self.registered: list[int] = []
+        self.pending: list[SimpleNamespace] = []  # events NVML holds
+        self.register_error: Exception | None = None
+
+    def nvmlEventSetCreate(self) -> str:
+        return "evset"
+
+    def nvmlDeviceGetSupportedEventTypes(self, h: int) -> int:
+        return 0b1001 if h in self.xid_supported else 0b0001
+
+    def nvmlDeviceRegisterEvents(self, h: int, types: int, evset: str) -> None:
+        if self.register_error is not None:
+            raise self.register_error
+        assert types == self.nvmlEventTypeXidCriticalError and evset == "evset"
+        self.registered.append(h)
+
+    def nvmlEventSetWait_v2(self, evset: str, timeout_ms: int) -> SimpleNamespace:
+        assert timeout_ms == 0  # never waits inside a collection
+        if not self.pending:
+            raise FakeNvmlTimeout("Timeout")
+        return self.pending.pop(0)
+
+    def nvmlDeviceGetIndex(self, h: int) -> int:
+        return h
+
+    def xid(self, device: int, code: int) -> None:
+        self.pending.append(SimpleNamespace(device=device, eventType=self.nvmlEventTypeXidCriticalError,
+                                            eventData=code))
 
     def nvmlInit(self) -> None:
         self.inits += 1
@@ -253,3 +297,75 @@ def test_collector_loop_survives_a_collector_that_raises():
     assert snap == loop.snapshot()
     assert snap["ts"] == 123.0 and snap["fine"] == {"available": True, "x": 1}
     assert snap["boom"] == {"available": False, "reason": "RuntimeError: contract broken"}
+
+
+def test_gpu_xid_events_are_counted_per_device_and_unsupported_ones_say_why():
+    nv = FakeNvml(count=2, xid_supported=(0,))
+    gpu = GpuCollector(nvml=nv)
+    first = gpu.collect()["devices"]
+    assert nv.registered == [0]  # only the GPU that supports XID events
+    assert (first[0]["xid_errors"], first[0]["last_xid"], first[0]["recent_xids"]) == (0, None, [])
+    assert first[1]["xid_errors"] is None and "not supported" in first[1]["xid_reason"]
+    nv.xid(0, 79)  # fallen off the bus
+    nv.xid(0, 48)  # double-bit ECC
+    d0 = gpu.collect()["devices"][0]
+    assert (d0["xid_errors"], d0["last_xid"], d0["recent_xids"]) == (2, 48, [79, 48])
+    for code in range(20):
+        nv.xid(0, code)
+    d0 = gpu.collect()["devices"][0]
+    assert d0["xid_errors"] == 22 and d0["recent_xids"] == list(range(12, 20))  # the count keeps all
+    assert nv.registered == [0]  # registered once, not per collection
+
+
+def test_gpu_xid_registration_refused_is_data_not_a_failure():
+    nv = FakeNvml(count=1, xid_supported=(0,))
+    nv.register_error = FakeNvmlError("Insufficient Permissions")
+    d = GpuCollector(nvml=nv).collect()["devices"][0]
+    assert d["available"] is True and d["util_percent"] == 87  # the rest still reported
+    assert d["xid_errors"] is None and "Insufficient Permissions" in d["xid_reason"]
+
+
+def _ib_port(root: Path, hca: str, port: int, state: str = "4: ACTIVE", rate: str = "100 Gb/sec (4X EDR)",
+             **counters: int) -> None:
+    d = root / "class" / "infiniband" / hca / "ports" / str(port)
+    (d / "counters").mkdir(parents=True, exist_ok=True)
+    (d / "state").write_text(state + "\n")
+    (d / "phys_state").write_text("5: LinkUp\n")
+    (d / "rate").write_text(rate + "\n")
+    (d / "link_layer").write_text("InfiniBand\n")
+    for k, v in counters.items():
+        (d / "counters" / k).write_text(f"{v}\n")
+
+
+def test_infiniband_port_counters_rates_and_health(tmp_path):
+    clock = FakeClock()
+    ib = InfinibandCollector(sys_root=tmp_path, clock=clock)
+    _ib_port(tmp_path, "mlx5_0", 1, port_xmit_data=1000, port_rcv_data=500, port_xmit_packets=10,
+             port_rcv_packets=5, port_rcv_errors=0, symbol_error=0, link_downed=0)
+    _ib_port(tmp_path, "mlx5_1", 1, state="1: DOWN", rate="junk")
+    first = ib.collect()
+    p = first["ports"]["mlx5_0/1"]
+    assert first["available"] is True and sorted(first["ports"]) == ["mlx5_0/1", "mlx5_1/1"]
+    assert p["tx_bytes"] == 4000 and p["rx_bytes"] == 2000  # 4-byte words
+    assert p["operstate"] == "up" and p["ib_state"] == "ACTIVE" and p["speed_mbps"] == 100_000
+    assert p["tx_bytes_per_s"] is None and p["interval_s"] is None  # one reading: no rate yet
+    down = first["ports"]["mlx5_1/1"]
+    assert down["operstate"] == "down" and down["speed_mbps"] is None
+    clock.advance(2.0)
+    _ib_port(tmp_path, "mlx5_0", 1, port_xmit_data=1000 + 250_000, port_rcv_data=500 + 50, port_xmit_packets=110,
+             port_rcv_packets=5, port_rcv_errors=6, symbol_error=3, link_downed=1)
+    p = ib.collect()["ports"]["mlx5_0/1"]
+    assert p["tx_bytes_per_s"] == 500_000.0 and p["rx_bytes_per_s"] == 100.0  # 4 x words / 2 s
+    assert p["tx_packets_per_s"] == 50.0 and p["rx_errors_per_s"] == 3.0
+    assert p["symbol_error"] == 3 and p["link_downed"] == 1
+    clock.advance(1.0)
+    _ib_port(tmp_path, "mlx5_0", 1, port_xmit_data=7, port_rcv_data=7)  # counters reset
+    p = ib.collect()["ports"]["mlx5_0/1"]
+    assert p["counter_reset"] is True and p["tx_bytes_per_s"] is None
+
+
+def test_infiniband_absent_is_reported_as_data(tmp_path):
+    assert InfinibandCollector(sys_root=tmp_path).collect() == {
+        "available": False, "reason": f"no InfiniBand device ({tmp_path}/class/infiniband absent)"}
+    real = InfinibandCollector().collect()  # this machine: no HCA (or a real one, with ports)
+    assert real["available"] is False or real["ports"]

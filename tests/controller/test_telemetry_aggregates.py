@@ -385,3 +385,22 @@ def test_prometheus_series_and_bounded_labels(db_url: str, tmp_path: Path) -> No
         assert total < 600, total  # 5 jobs x 200 ranks x 40 NICs would be far more
     with make_client(db_url, tmp_path / "open", metrics_open=True) as client:
         assert client.get("/metrics", headers={"Authorization": ""}).status_code == 200
+
+
+def test_prometheus_exports_infiniband_ports_beside_nics(db_url: str, tmp_path: Path) -> None:
+    """An HCA port (``host.infiniband.ports``, the NIC keys) is exported as an interface like ``eth0``."""
+    with make_client(db_url, tmp_path) as client:
+        job = _job(client)
+        now = time.time()
+        hb = {"ts": now, "hostname": "h", "host": {
+            "nics": {"available": True, "interfaces": {"eth0": {"rx_bytes_per_s": 10.0, "operstate": "up"}}},
+            "infiniband": {"available": True, "ports": {
+                "mlx5_0/1": {"rx_bytes_per_s": 12.5e9, "tx_bytes_per_s": 11.0e9, "operstate": "up"},
+                "mlx5_1/1": {"rx_bytes_per_s": 0.0, "operstate": "down"}}}}}
+        post(client, [step_sample(job, 0, 0, 0.1, now)], 0, heartbeat=hb)
+        client.app.state.telemetry.flush()
+        fams = _families(client.get("/metrics").text)
+        rx = {s.labels["interface"]: s.value for s in fams["vigil_node_nic_receive_bytes_per_second"].samples}
+        assert rx == {"eth0": 10.0, "mlx5_0/1": 12.5e9, "mlx5_1/1": 0.0}
+        up = {s.labels["interface"]: s.value for s in fams["vigil_node_nic_up"].samples}
+        assert up == {"eth0": 1.0, "mlx5_0/1": 1.0, "mlx5_1/1": 0.0}
