@@ -285,8 +285,8 @@ def _train(
         lr = lr_at(step, spec)
         strategy.step(step, lr)
         t3 = time.perf_counter()
-        records = comm.drain()
-        comm_s = sum(r.duration_s for r in records)
+        records = comm.drain()  # the first step's also holds the start-up ones (step 0: initial broadcasts)
+        comm_s = sum(r.duration_s for r in records if r.step == step)
         step_time = t3 - t0
         raw_loss = loss.item()
         loss_value = finite_or_none(raw_loss)

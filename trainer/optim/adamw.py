@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from controller.schemas import OptimizerSpec
 from trainer.comm import Comm
 from trainer.optim.base import Strategy, clip_grad
+from trainer.optim.flat import broadcast_module
 
 
 class DDPAdamW(Strategy):
@@ -26,10 +26,8 @@ class DDPAdamW(Strategy):
             model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
         )
         self._params = [p for p in model.parameters() if p.requires_grad]
-        if comm.world_size > 1:
-            # Start from identical weights on every rank.
-            for p in self._params:
-                dist.broadcast(p.data, src=0)
+        # Start from identical weights on every rank (through the layer: timed and counted, tag init).
+        broadcast_module(model, comm)
 
     def step(self, step: int, lr: float) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
