@@ -18,7 +18,11 @@ from the newest valid checkpoint of its root (or the one Ray Train recorded, whe
 
 Recovery settings handed to Ray Train: ``recovery.max_restarts`` is ``FailureConfig.max_failures``
 (preemptions, i.e. Vigil's own evictions, are counted apart by Ray Train and not limited here: the
-controller bounds restarts without progress). The environment gets, unless already set,
+controller bounds restarts without progress). Ray Train counts every failure of a run, progress or
+not, so a long job hit by more faults than that, days apart, would fail; the driver therefore starts
+a fresh Ray Train run (from the newest valid checkpoint) when a run fails *after* its newest valid
+checkpoint moved forward, and gives up only when a run's ``max_restarts`` restarts made no progress
+(:func:`fit_while_progressing`). The environment gets, unless already set,
 ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=15`` (Ray's default of 60 s is mostly spent waiting for
 workers that an eviction made impossible before the group restarts smaller) and
 ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S=1`` (how soon ranks learn of a drain; Ray's default is 5 s);
@@ -34,6 +38,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,18 +180,46 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
 
     if not ray.is_initialized():
         ray.init()
-    trainer = build_trainer(cfg)
     log.info(
-        "job %s: %s on %s workers, %d steps, storage %s",
-        cfg.job_id, cfg.spec.optimizer.kind, trainer.scaling_config.num_workers, cfg.spec.steps, cfg.storage_path,
+        "job %s: %s on %s-%s workers, %d steps, storage %s", cfg.job_id, cfg.spec.optimizer.kind,
+        cfg.spec.scaling.min_workers, cfg.spec.scaling.max_workers, cfg.spec.steps, cfg.storage_path,
     )
-    result = trainer.fit()
+    from trainer.checkpoint import job_root
+
+    root = job_root(cfg.storage_path, cfg.job_id)
+    result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root), cfg.job_id)
     metrics = dict(result.metrics or {})
     # Ray's checkpoint is a pointer (trainer.checkpoint): name the checkpoint folder itself.
     metrics["checkpoint"] = metrics.get("checkpoint_path") or (
         result.checkpoint.path if result.checkpoint is not None else None
     )
     return metrics
+
+
+def newest_valid_step(root: Path) -> int:
+    """The step of the newest valid checkpoint under ``root`` (-1: none)."""
+    from trainer.checkpoint import choose
+
+    manifest, _ = choose(root if root.exists() else None)
+    return manifest.step if manifest is not None else -1
+
+
+def fit_while_progressing(fit: Callable[[], Any], progress: Callable[[], int], job_id: str = "") -> Any:
+    """``fit()`` (one Ray Train run, with its own failure budget) until it succeeds; after a failed
+    run, again from the newest valid checkpoint if that moved forward during the run (``progress()``,
+    a step), else re-raise: its restarts made no progress."""
+    runs = 0
+    while True:
+        start = progress()
+        runs += 1
+        try:
+            return fit()
+        except Exception as e:
+            reached = progress()
+            if reached <= start:
+                raise
+            log.warning("job %s: Ray Train run %d failed (%s) after progress (checkpoint step %d -> %d): "
+                        "starting a fresh run from step %d", job_id, runs, type(e).__name__, start, reached, reached)
 
 
 def main(argv: list[str] | None = None) -> int:

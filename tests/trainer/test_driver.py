@@ -115,3 +115,40 @@ def test_ray_train_timeouts_are_set_unless_the_environment_has_them(
     assert "/" not in t.run_config.name and ".." not in t.run_config.name
     root = Path(t.train_loop_config["checkpoint_root"])
     assert root.parent.parent == tmp_path and ".." not in root.parts
+
+
+def test_a_failed_run_that_progressed_is_run_again_one_without_progress_fails() -> None:
+    """Ray Train's failure budget covers every failure of a run; the job fails only when a run's
+    restarts made no progress (the newest valid checkpoint did not move)."""
+    from trainer.driver import fit_while_progressing
+
+    checkpoint = {"step": 10}
+    outcomes = [40, 70, None]  # two runs fail after checkpointing further, the third succeeds
+    calls: list[int] = []
+
+    def fit() -> str:
+        calls.append(checkpoint["step"])
+        reached = outcomes.pop(0)
+        if reached is None:
+            return "done"
+        checkpoint["step"] = reached
+        raise RuntimeError("max failures reached")
+
+    assert fit_while_progressing(fit, lambda: checkpoint["step"]) == "done"
+    assert calls == [10, 40, 70]  # each fresh run starts from the newest checkpoint
+
+    def stuck() -> str:
+        calls.append(-1)
+        raise RuntimeError("TrainingFailedError: crashes at every restart")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="crashes at every restart"):
+        fit_while_progressing(stuck, lambda: checkpoint["step"])
+    assert calls == [-1]  # no progress: not run again
+
+
+def test_newest_valid_step_reads_the_job_checkpoint_root(tmp_path: Path) -> None:
+    from trainer.driver import newest_valid_step
+
+    assert newest_valid_step(tmp_path / "missing") == -1
+    assert newest_valid_step(tmp_path) == -1
