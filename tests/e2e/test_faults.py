@@ -224,6 +224,10 @@ def _slow(client: VigilClient, cluster: LocalCluster) -> None:
     detect_step = inc[0]["evidence"]["steps"][1]
     assert detect_step - at <= 20, "a 4x slower rank must be flagged within 20 steps"
     assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "EVICTED"
+    for n in client.list_nodes().data:  # nothing of this job ran on the evicted node after the restart
+        if n.id == node:
+            assert not [r for r in n.ranks if r.job_id == job.id and r.alive]
+    _assert_resumed_from_checkpoint(client, job.id)
 
 
 # The node-killing tests come last: the nodes they take down stay down (a dead host is gone).
@@ -301,6 +305,7 @@ def test_ray_node_removed_from_outside(client: VigilClient, cluster: LocalCluste
     _finish(client, job.id)
     inc = [i for i in _incidents(client, job.id) if i["kind"] == "node_lost"]
     assert inc and inc[0]["node_id"] == node
+    assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "DEAD"
     _assert_resumed_from_checkpoint(client, job.id)
 
 
