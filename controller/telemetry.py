@@ -222,8 +222,10 @@ def job_metrics(session: Session, job_id: str, since_step: int | None = None, ma
     """
     points: dict[tuple[int, int], tuple[float, float | None, float | None, float | None]] = {}
     for model in (RankStepStat, StepMetric):  # raw last: where both exist, the raw sample wins
+        # Training steps only: an aggregate without a step sample holds collectives alone (step 0: the
+        # start-up broadcasts of the weights), which the step breakdown (/steps) shows instead.
         q = select(model.rank, model.step, model.ts, model.loss, model.step_time_s, model.tokens_per_s).where(
-            model.job_id == job_id)
+            model.job_id == job_id, model.step_time_s.is_not(None))
         if since_step is not None:
             q = q.where(model.step >= since_step)
         for r in session.execute(q).all():

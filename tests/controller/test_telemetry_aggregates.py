@@ -404,3 +404,24 @@ def test_prometheus_exports_infiniband_ports_beside_nics(db_url: str, tmp_path: 
         assert rx == {"eth0": 10.0, "mlx5_0/1": 12.5e9, "mlx5_1/1": 0.0}
         up = {s.labels["interface"]: s.value for s in fams["vigil_node_nic_up"].samples}
         assert up == {"eth0": 1.0, "mlx5_0/1": 1.0, "mlx5_1/1": 0.0}
+
+
+def test_start_up_collectives_are_in_the_breakdown_not_in_the_step_series(client: TestClient) -> None:
+    """Step 0 holds only collectives (the start-up broadcast of the weights): /steps shows it, the loss
+    and step-time series of /metrics (training steps) do not, before or after aggregation."""
+    job = _job(client)
+    now = time.time()
+    samples = [coll_sample(job, r, 0, 0, 0.02, now) for r in range(2)]
+    for st in (1, 2):
+        for r in range(2):
+            samples += [step_sample(job, r, st, 0.1, now + st), coll_sample(job, r, st, 0, 0.01, now + st)]
+    post(client, samples, 0)
+    for aggregated in (False, True):
+        if aggregated:
+            assert client.app.state.telemetry.step(now=time.time() + 10).aggregated_steps == 3
+        series = client.get(f"{API}/jobs/{job}/metrics").json()["ranks"]
+        assert [(s["rank"], s["step"]) for s in series] == [(0, [1, 2]), (1, [1, 2])], aggregated
+        assert all(t == 0.1 for s in series for t in s["step_time_s"])
+        steps = client.get(f"{API}/jobs/{job}/steps").json()["data"]
+        assert [(d["rank"], d["step"], d["collectives"]) for d in steps] == [(0, [0, 1, 2], [1, 1, 1]),
+                                                                             (1, [0, 1, 2], [1, 1, 1])], aggregated

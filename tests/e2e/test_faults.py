@@ -127,7 +127,8 @@ def _readmit_evicted(client: VigilClient, cluster: LocalCluster) -> None:
 def _assert_resumed_from_checkpoint(client: VigilClient, job_id: str) -> None:
     """After a restart the loss picks up near the checkpoint's loss, far below the initial loss."""
     series = next(s for s in client.job_metrics(job_id, max_points=100_000).ranks if s.rank == 0)
-    rows = sorted(zip(series.ts, series.step, series.loss, strict=True))  # in the order they ran
+    # In the order they ran; training steps only (step 0 holds each start's broadcast of the weights).
+    rows = sorted(r for r in zip(series.ts, series.step, series.loss, strict=True) if r[1] > 0)
     ts, steps, losses = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
     # A restart replays steps from the checkpoint (the step number goes back) or, when the checkpoint
     # was the last step done, shows as the pause while Ray Train restarts the group.

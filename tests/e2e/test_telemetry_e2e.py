@@ -58,12 +58,14 @@ def test_every_collective_of_every_step_and_consistent_aggregates(tmp_path: Path
         # Every step of both ranks, aggregated (final) once settled.
         def all_final() -> bool:
             st = client.job_steps(job.id)
-            return len(st.data) == 2 and all(len(d.step) == STEPS and all(d.final) for d in st.data)
+            return len(st.data) == 2 and all(len(d.step) == STEPS + 1 and all(d.final) for d in st.data)
 
         _wait(all_final, 120, "every step of both ranks aggregated")
         steps = client.job_steps(job.id)
         assert [d.rank for d in steps.data] == [0, 1]
-        assert all(d.step == list(range(1, STEPS + 1)) for d in steps.data)
+        # Step 0: the start-up collectives (rank 0's weights broadcast), no training step.
+        assert all(d.step == list(range(0, STEPS + 1)) and d.loss[0] is None and d.collectives[0] >= 1
+                   for d in steps.data)
         assert steps.data[0].node_id != steps.data[1].node_id, "the two ranks should run on two nodes"
 
         # Every collective of every step, from the raw per-rank calls.
