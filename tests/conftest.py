@@ -12,6 +12,19 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ray token authentication on for the whole run, before any test touches Ray.
+
+    Ray fixes a process's authentication mode at its first use. The clusters the tests start run
+    with tokens, as `vigil up` runs them; without this, whichever test used Ray first would decide
+    whether this process can talk to the later ones (seen: a Ray Train test run before the
+    end-to-end ones left the process unable to reach any `vigil up` cluster).
+    """
+    from controller.localcluster import ensure_ray_token
+
+    ensure_ray_token()
+
 PG_ADMIN_URL = os.environ.get("VIGIL_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
