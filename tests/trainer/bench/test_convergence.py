@@ -61,10 +61,12 @@ def test_two_methods_end_to_end(tmp_path: Path, corpus_cache: Path) -> None:
 
 
 def test_plan_gives_key_methods_every_seed() -> None:
-    runs = plan([BY_NAME["cser_r16"], BY_NAME["cser_r256"], BY_NAME["sgd"]], [0, 1, 2])
+    runs = plan([BY_NAME["cser_r16"], BY_NAME["dsm_gamma4"], BY_NAME["sgd"]], [0, 1, 2])
     assert [(m.name, s) for m, s in runs] == [
-        ("sgd", 0), ("sgd", 1), ("sgd", 2), ("cser_r16", 0), ("cser_r256", 0), ("cser_r256", 1), ("cser_r256", 2)
+        ("sgd", 0), ("sgd", 1), ("sgd", 2), ("cser_r16", 0), ("cser_r16", 1), ("cser_r16", 2), ("dsm_gamma4", 0)
     ]
+    # every ratio of CSER vs EF-SGD vs QSparse-local-SGD is a key comparison: three seeds
+    assert all(BY_NAME[f"{m}_r{r}"].key for m in ("cser", "ef_sgd", "qsparse") for r in (16, 64, 256))
     every = {m for c in COMPARISONS for m in c.methods}
     assert every == {m.name for m in METHODS}  # every method is in some comparison
     assert all(BY_NAME[m.baseline].baseline == m.baseline for m in METHODS)  # baselines are their own
