@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controller.db import session_scope
 from controller.jobs import record_event, transition
 from controller.launcher import ClusterControl, JobLauncher, LaunchError
-from controller.models import Checkpoint, Incident, Job, Node, StackDump, StepMetric
+from controller.models import Checkpoint, CollectiveMetric, Incident, Job, Node, StackDump, StepMetric
 from controller.recovery import commands, faults, nic
 from controller.recovery.stacks import group_stacks
 from controller.schemas import (
@@ -305,6 +305,91 @@ class Monitor:
                 "steps": [steps[-1], steps[0]]})
             if spec.recovery.policy == RecoveryPolicy.EVICT_RESTART and inc.node_id:
                 if self._evict(s, inc.node_id, f"straggler rank {rank} of job {job.id}", inc):
+                    self._act(s, inc, job, f"evicted {inc.node_id}; Ray Train restarts the group on healthy nodes")
+                else:
+                    self._head_kept(inc)
+            return
+        self._detect_late_rank(s, job, spec, steps)
+
+    def _detect_late_rank(self, s: Session, job: Job, spec: JobCreate, steps: list[int]) -> None:
+        """Straggler score on collective wait: a rank whose peers wait for it in the step's collectives.
+
+        The compute score above sees a slow forward+backward; a rank can be late for the rest of its
+        step too (a data loader starved of I/O, a slow optimizer step, a host stalling the process).
+        Then it arrives last at every collective: its peers' wait (their duration of a call minus the
+        fastest rank's) grows by its lateness while its own stays near 0 (C4's "non-communication
+        slow"). Per step, lateness = median of the peers' wait - the rank's own wait, over its peers'
+        work outside collectives (step time - comm). The verdict mirrors the compute score's:
+        late by ``straggler_step_ratio`` in ``straggler_k`` of the window's steps, by
+        ``straggler_ratio`` in the window's median, its own work ``straggler_own_ratio`` x its recent
+        past, and by at least ``straggler_min_excess_s`` and ``straggler_min_share`` of the step.
+        """
+        th = self.th
+        calls = s.execute(select(CollectiveMetric.rank, CollectiveMetric.step, CollectiveMetric.seq,
+                                 CollectiveMetric.duration_s)
+                          .where(CollectiveMetric.job_id == job.id, CollectiveMetric.step.in_(steps))).all()
+        work_rows = s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.step_time_s,
+                                     StepMetric.comm_s)
+                              .where(StepMetric.job_id == job.id, StepMetric.step.in_(steps))
+                              .order_by(StepMetric.id.desc())).all()
+        work: dict[int, dict[int, float]] = defaultdict(dict)
+        step_time: dict[int, dict[int, float]] = defaultdict(dict)
+        for r in work_rows:  # newest first: a replayed step keeps the new incarnation's row
+            if r.rank not in work[r.step]:
+                work[r.step][r.rank] = max(0.0, r.step_time_s - (r.comm_s or 0.0))
+                step_time[r.step][r.rank] = r.step_time_s
+        durations: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        for c in calls:
+            durations[(c.step, c.seq)][c.rank] = c.duration_s  # a replay's call overwrites its first run
+        wait: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        for (st, _), per_rank in durations.items():
+            if len(per_rank) < 2:
+                continue
+            fastest = min(per_rank.values())
+            for rank, d in per_rank.items():
+                wait[st][rank] += d - fastest
+        late: dict[int, list[tuple[float, float]]] = defaultdict(list)  # rank -> [(lateness s, ratio)]
+        for st in steps:
+            ranks = wait.get(st, {})
+            if len(ranks) < 2 or len(work.get(st, {})) < 2:
+                continue
+            for rank, own in ranks.items():
+                peers = [w for r, w in ranks.items() if r != rank]
+                peer_work = statistics.median(w for r, w in work[st].items() if r != rank)
+                lateness = statistics.median(peers) - own
+                late[rank].append((lateness, 1.0 + lateness / max(peer_work, 1e-9)))
+        if not step_time:
+            return
+        step_median = statistics.median(t for per in step_time.values() for t in per.values())
+        for rank, values in late.items():
+            hits = sum(ratio >= th.straggler_step_ratio for _, ratio in values)
+            if len(values) < th.straggler_m or hits < th.straggler_k:
+                continue
+            to_peers = statistics.median(ratio for _, ratio in values)
+            lateness = statistics.median(x for x, _ in values)
+            if to_peers < th.straggler_ratio or lateness < max(th.straggler_min_excess_s,
+                                                               th.straggler_min_share * step_median):
+                continue
+            window = [work[st][rank] for st in steps if rank in work.get(st, {})]
+            history = [t - (c or 0.0) for t, c in s.execute(
+                select(StepMetric.step_time_s, StepMetric.comm_s).where(
+                    StepMetric.job_id == job.id, StepMetric.rank == rank, StepMetric.step < steps[-1])
+                .order_by(StepMetric.step.desc()).limit(50)).all()]
+            if len(history) < th.straggler_m:
+                continue
+            own = statistics.median(window) / max(statistics.median(history), 1e-9)
+            if own < th.straggler_own_ratio:
+                continue
+            loc = faults.rank_locations(s, job.id).get(rank)
+            inc = self._open(s, IncidentKind.STRAGGLER, job.id, loc.node_id if loc else None, rank, {
+                "class": "compute-slow", "basis": "collective-wait",
+                "late_steps": hits, "window": th.straggler_m,
+                "median_ratio_to_peers": round(to_peers, 3), "threshold": th.straggler_ratio,
+                "peers_wait_s": round(lateness, 4), "ratio_to_own_history": round(own, 3),
+                "steps": [steps[-1], steps[0]]})
+            if spec.recovery.policy == RecoveryPolicy.EVICT_RESTART and inc.node_id:
+                why = f"straggler rank {rank} of job {job.id} (its peers wait for it)"
+                if self._evict(s, inc.node_id, why, inc):
                     self._act(s, inc, job, f"evicted {inc.node_id}; Ray Train restarts the group on healthy nodes")
                 else:
                     self._head_kept(inc)

@@ -417,3 +417,50 @@ def test_stack_signature_and_grouping() -> None:
     assert odd == [2] and groups[0].ranks == [0, 1, 3]
     assert group_stacks({0: a, 1: b})[1] == [1]  # no majority: the rank outside a collective
     assert group_stacks({0: a, 1: a})[1] == []
+
+
+def _synced_steps(env: Env, first: int, last: int, late: dict[int, float] | None = None) -> None:
+    """Two ranks stepping together: 0.09 s of work and one 0.01 s all-reduce each; a rank ``late`` by
+    L s (its data loading, say: compute unchanged) makes its peer wait L inside the all-reduce."""
+    late = late or {}
+    for st in range(first, last + 1):
+        env.clock.now += 0.2
+        lag = max(late.values(), default=0.0)
+        for rank, node in env.nodes.items():
+            own = late.get(rank, 0.0)
+            wait = lag - own  # the last to arrive waits for no one
+            env.post([
+                {"kind": "step", "job_id": env.job_id, "rank": rank, "step": st, "ts": env.clock.now, "loss": 3.0,
+                 "step_time_s": 0.1 + lag, "data_s": 0.02 + own, "fwd_bwd_s": 0.05, "optim_s": 0.02,
+                 "comm_s": 0.01 + wait},
+                {"kind": "collective", "job_id": env.job_id, "rank": rank, "step": st, "seq": 0, "op": "all_reduce",
+                 "tag": "grads", "payload_bytes": 4000, "wire_bytes": 4000, "duration_s": 0.01 + wait,
+                 "ts": env.clock.now}], node)
+
+
+def test_a_rank_its_peers_wait_for_is_a_straggler_on_collective_wait(env: Env) -> None:
+    _synced_steps(env, 1, 30)
+    env.monitor.step()
+    for st in range(31, 51):
+        _synced_steps(env, st, st, late={1: 0.1})  # data loading 0.1 s slower: compute unchanged
+        env.monitor.step()
+        if env.incidents():
+            break
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["node_id"]) for i in inc] == [("straggler", 1, "vigil-node-2")]
+    ev = inc[0]["evidence"]
+    assert ev["basis"] == "collective-wait" and ev["class"] == "compute-slow"
+    assert ev["peers_wait_s"] == pytest.approx(0.1, abs=1e-3)
+    assert ev["median_ratio_to_peers"] == pytest.approx(0.19 / 0.09, abs=1e-3)  # its work over its peer's
+    assert ev["steps"][1] - 30 <= 20
+    assert env.cluster.drained == [("vigil-node-2", 5.0)]
+
+
+def test_waits_that_change_sides_are_not_a_straggler(env: Env) -> None:
+    _synced_steps(env, 1, 30)
+    for st in range(31, 71):
+        _synced_steps(env, st, st, late={st % 2: 0.1})  # each rank late every other step
+        env.monitor.step()
+    _synced_steps(env, 71, 90, late={1: 0.02})  # late every step, but by 20 ms: scheduling noise
+    env.monitor.step()
+    assert env.incidents() == []
