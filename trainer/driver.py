@@ -187,7 +187,8 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
     from trainer.checkpoint import job_root
 
     root = job_root(cfg.storage_path, cfg.job_id)
-    result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root), cfg.job_id)
+    result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root),
+                                   cfg.job_id, again=cfg.spec.recovery.max_restarts > 0)
     metrics = dict(result.metrics or {})
     # Ray's checkpoint is a pointer (trainer.checkpoint): name the checkpoint folder itself.
     metrics["checkpoint"] = metrics.get("checkpoint_path") or (
@@ -204,22 +205,25 @@ def newest_valid_step(root: Path) -> int:
     return manifest.step if manifest is not None else -1
 
 
-def fit_while_progressing(fit: Callable[[], Any], progress: Callable[[], int], job_id: str = "") -> Any:
+def fit_while_progressing(fit: Callable[[], Any], progress: Callable[[], int], job_id: str = "", *,
+                          again: bool = True) -> Any:
     """``fit()`` (one Ray Train run, with its own failure budget) until it succeeds; after a failed
     run, again from the newest valid checkpoint if that moved forward during the run (``progress()``,
-    a step), else re-raise: its restarts made no progress."""
+    a step), else re-raise: its restarts made no progress. ``again=False`` (``max_restarts: 0``, no
+    restarts asked for): the first failure is final."""
     runs = 0
     while True:
-        start = progress()
+        start = progress() if again else 0
         runs += 1
         try:
             return fit()
         except Exception as e:
-            reached = progress()
+            reached = progress() if again else 0
             if reached <= start:
                 raise
             log.warning("job %s: Ray Train run %d failed (%s) after progress (checkpoint step %d -> %d): "
-                        "starting a fresh run from step %d", job_id, runs, type(e).__name__, start, reached, reached)
+                        "starting a fresh run from step %d", job_id, runs, type(e).__name__, start, reached,
+                        reached)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,6 +146,12 @@ def test_a_failed_run_that_progressed_is_run_again_one_without_progress_fails() 
         fit_while_progressing(stuck, lambda: checkpoint["step"])
     assert calls == [-1]  # no progress: not run again
 
+    outcomes[:] = [90, None]  # max_restarts 0: a failure is final, progress or not
+    calls.clear()
+    with pytest.raises(RuntimeError, match="max failures reached"):
+        fit_while_progressing(fit, lambda: checkpoint["step"], again=False)
+    assert calls == [70]
+
 
 def test_newest_valid_step_reads_the_job_checkpoint_root(tmp_path: Path) -> None:
     from trainer.driver import newest_valid_step
