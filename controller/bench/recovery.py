@@ -94,12 +94,16 @@ class Runner:
         _wait(lambda: self.client.get_job(job_id).status.is_terminal(), timeout, 2)
         return self.client.get_job(job_id).status.value
 
-    def rank_location(self, job_id: str, rank: int) -> tuple[str, int] | None:
-        for n in self.client.list_nodes().data:
-            for r in n.ranks:
-                if r.job_id == job_id and r.rank == rank and r.alive:
-                    return n.id, r.pid
-        return None
+    def rank_location(self, job_id: str, rank: int, timeout: float = 30) -> tuple[str, int] | None:
+        """(node, pid) of a live rank, from the agents' heartbeats (which may lag the step counter)."""
+        def find() -> tuple[str, int] | None:
+            for n in self.client.list_nodes().data:
+                for r in n.ranks:
+                    if r.job_id == job_id and r.rank == rank and r.alive:
+                        return n.id, r.pid
+            return None
+
+        return _wait(find, timeout, 0.5)
 
     def rank0_series(self, job_id: str) -> tuple[list[int], list[float], list[float]]:
         s = next((x for x in self.client.job_metrics(job_id, max_points=100_000).ranks if x.rank == 0), None)
@@ -125,6 +129,8 @@ class Runner:
 
     # -- one fault -------------------------------------------------------------------------------
     def run_fault(self, kind: str, steps: int, at: int) -> dict[str, Any]:
+        if kind == "corrupt_checkpoint":
+            return self.run_corrupt_checkpoint(steps, at)
         policy = "rollback" if kind == "nan_loss" else "evict_restart"
         # A slow rank is scored only outside checkpoints' shadows (docs/RECOVERY.md): with a checkpoint
         # every 10 steps a third of the steps would not count, so its job checkpoints every 50. And its
@@ -217,6 +223,65 @@ class Runner:
                 time.sleep(10)  # the fresh raylet registers with Ray
         return out
 
+    def run_corrupt_checkpoint(self, steps: int, at: int) -> dict[str, Any]:
+        """The newest checkpoint corrupted, then the group restarted: found on restore, the one before used.
+
+        As tests/e2e/test_faults.py does it: the job (policy observe) is frozen first (rank 1 stopped,
+        so no newer checkpoint can complete), the newest complete checkpoint on storage is corrupted,
+        then the stopped rank is killed and Ray Train restarts the group. Detected: the ranks'
+        ``checkpoint_invalid`` event for that step (timed from the kill); culprit right: the event
+        names the corrupted step and the restart restored the checkpoint before it; lost steps: the
+        frozen step minus the restored one (a corrupt checkpoint costs a whole interval more).
+        """
+        kind = "corrupt_checkpoint"
+        job = self.client.submit_job(job_spec(f"bench-{kind}", steps, "observe"))
+        out: dict[str, Any] = {"kind": kind, "job_id": job.id, "detected": False, "culprit_correct": False,
+                               "time_to_detect_s": None, "steps_to_detect": None, "time_to_recover_s": None,
+                               "lost_steps": None}
+        if not self.reach(job.id, at):
+            out["error"] = "job did not reach the fault step"
+            return out
+        self.post(f"/jobs/{job.id}/faults", {"kind": "hang_rank", "rank": 1, "step": 0})
+
+        def frozen() -> int | None:
+            before = self.client.get_job(job.id).last_step
+            time.sleep(2)
+            return before if self.client.get_job(job.id).last_step == before else None
+
+        frozen_step = _wait(frozen, 60, 0)
+        root = self.cluster.home / "storage" / job.id / "checkpoints"
+        done = [d for d in root.iterdir() if (d / "manifest.json").exists()] if root.exists() else []
+        if frozen_step is None or not done:
+            out["error"] = "the job did not freeze, or has no complete checkpoint"
+            return out
+        newest_dir = max(done, key=lambda d: d.name)
+        newest = int(newest_dir.name.split("-")[1])
+        self.post(f"/jobs/{job.id}/faults", {"kind": "corrupt_checkpoint", "step": 0})
+        def corrupted() -> bool:
+            return any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp"))
+
+        if not _wait(corrupted, 60):
+            out["error"] = "the checkpoint was not corrupted"
+            return out
+        fired = time.time()
+        self.post(f"/jobs/{job.id}/faults", {"kind": "kill_rank", "rank": 1, "step": 0})
+        out["status"] = self.finish(job.id)
+        events = [e for e in self.get("/events", job_id=job.id, limit=1000)["data"]
+                  if e["kind"] == "checkpoint_invalid"]
+        restored = re.search(r"rank 0 restored step (\d+) from", self.client.job_logs(job.id).logs)
+        out["corrupted_step"] = newest
+        out["restored_step"] = int(restored.group(1)) if restored else None
+        if events:
+            out["detected"] = True
+            out["time_to_detect_s"] = round(min(_ts(e["ts"]) or fired for e in events) - fired, 2)
+            out["culprit_correct"] = ([e["data"].get("step") for e in events] == [newest]
+                                      and out["restored_step"] is not None and out["restored_step"] < newest)
+        restart_ts, lost = self.restart_point(job.id, fired, frozen_step)
+        if restart_ts is not None:
+            out["time_to_recover_s"] = round(restart_ts - fired, 2)
+            out["lost_steps"] = lost
+        return out
+
     def observed_slowdown(self, job_id: str, rank: int, first: int | None, last: int | None) -> float | None:
         """Median, over the steps between the fault and its detection, of the slowed rank's compute time
         (forward+backward) over its peers' median: how much slower the fault really made it."""
@@ -287,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vigil bench recovery", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     p.add_argument("--quick", action="store_true", help="One fault of each kind on short jobs (about 10 min).")
-    p.add_argument("--kinds", default="kill_rank,kill_9,hang_rank,slow_rank,nan_loss,kill_node",
+    p.add_argument("--kinds",
+                   default="kill_rank,kill_9,hang_rank,slow_rank,nan_loss,corrupt_checkpoint,kill_node",
                    help="Comma-separated fault kinds (kill_node/remove_node last: they shrink the cluster).")
     p.add_argument("--clean-steps", type=int, default=None, help="Steps of the clean run (default 1000; quick 200).")
     p.add_argument("--fault-every", type=int, default=1500,
