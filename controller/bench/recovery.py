@@ -64,6 +64,12 @@ def _ts(value: str | None) -> float | None:
     return datetime.fromisoformat(value).timestamp() if value else None
 
 
+def _result(kind: str, job_id: str) -> dict[str, Any]:
+    """One fault's entry of ``faults``, before anything is known."""
+    return {"kind": kind, "job_id": job_id, "detected": False, "culprit_correct": False, "time_to_detect_s": None,
+            "steps_to_detect": None, "time_to_recover_s": None, "lost_steps": None}
+
+
 def _wait(cond, timeout: float, interval: float = 1.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -139,9 +145,7 @@ class Runner:
         slow = kind == "slow_rank"
         job = self.client.submit_job(job_spec(f"bench-{kind}", steps, policy, ckpt=50 if slow else 10,
                                               batch=96 if slow else 32))
-        out: dict[str, Any] = {"kind": kind, "job_id": job.id, "detected": False, "culprit_correct": False,
-                               "time_to_detect_s": None, "steps_to_detect": None, "time_to_recover_s": None,
-                               "lost_steps": None}
+        out = _result(kind, job.id)
         if not self.reach(job.id, at):
             out["error"] = "job did not reach the fault step"
             return out
@@ -235,9 +239,7 @@ class Runner:
         """
         kind = "corrupt_checkpoint"
         job = self.client.submit_job(job_spec(f"bench-{kind}", steps, "observe"))
-        out: dict[str, Any] = {"kind": kind, "job_id": job.id, "detected": False, "culprit_correct": False,
-                               "time_to_detect_s": None, "steps_to_detect": None, "time_to_recover_s": None,
-                               "lost_steps": None}
+        out = _result(kind, job.id)
         if not self.reach(job.id, at):
             out["error"] = "job did not reach the fault step"
             return out
