@@ -325,9 +325,15 @@ class Monitor:
         past, and by at least ``straggler_min_excess_s`` and ``straggler_min_share`` of the step.
         """
         th = self.th
+        # Bounded like the compute score's read (up to 64 ranks, here with up to 32 calls per step): a
+        # job beyond that is not scored on wait in this pass rather than read whole every 0.5 s.
+        cap = th.straggler_m * 64 * 32
         calls = s.execute(select(CollectiveMetric.rank, CollectiveMetric.step, CollectiveMetric.seq,
                                  CollectiveMetric.duration_s)
-                          .where(CollectiveMetric.job_id == job.id, CollectiveMetric.step.in_(steps))).all()
+                          .where(CollectiveMetric.job_id == job.id, CollectiveMetric.step.in_(steps))
+                          .limit(cap + 1)).all()
+        if len(calls) > cap:
+            return
         work_rows = s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.step_time_s,
                                      StepMetric.comm_s)
                               .where(StepMetric.job_id == job.id, StepMetric.step.in_(steps))
