@@ -276,7 +276,9 @@ class Runner:
         if events:
             out["detected"] = True
             out["time_to_detect_s"] = round(min(_ts(e["ts"]) or fired for e in events) - fired, 2)
-            out["culprit_correct"] = ([e["data"].get("step") for e in events] == [newest]
+            # (a newer partial folder, being written when the rank stopped, may be found out too)
+            found = [e["data"].get("step") for e in events]
+            out["culprit_correct"] = (newest in found and all(x > newest for x in found if x != newest)
                                       and out["restored_step"] is not None and out["restored_step"] < newest)
         restart_ts, lost = self.restart_point(job.id, fired, frozen_step)
         if restart_ts is not None:

@@ -266,7 +266,10 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
     # Found out on restore (the replay then writes that step's folder again, valid: the event stays).
     found = [e["data"]["step"] for e in client._request("GET", "/api/v1/events", params={"job_id": job.id})["data"]
              if e["kind"] == "checkpoint_invalid"]
-    assert found == [newest], f"the corrupt checkpoint at step {newest} was not found out: {found}"
+    # A newer, partial folder may be found out too: the stop can land while the ranks write the next
+    # checkpoint (rank 0's shard written, rank 1's not, no manifest).
+    assert newest in found and all(s > newest for s in found if s != newest), \
+        f"the corrupt checkpoint at step {newest} was not found out: {found}"
     _assert_resumed_from_checkpoint(client, job.id)
     # ... and the restart went back past it, to the checkpoint before (the ranks log what they restored).
     logs = client.job_logs(job.id).logs
