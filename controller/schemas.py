@@ -12,7 +12,10 @@ import functools
 import hashlib
 import math
 import re
+import shlex
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import PurePosixPath
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -248,12 +251,90 @@ class RecoverySpec(_Strict):
     max_restarts: int = Field(3, ge=0, le=100, description="Restarts without progress before the job FAILS.")
 
 
+DEFAULT_ENTRYPOINT = "examples.gpt_pydoc.gpt_train:train_func"
+"""The bundled GPT example (``examples/gpt_pydoc``, installed with Vigil): what a spec without an
+``entrypoint`` runs. It is written against the public rank API like any user's code."""
+ENTRYPOINT_MAX = 1024
+PACKAGE_REF_PATTERN = r"^sha256:[0-9a-f]{64}$"
+"""How a job refers to an uploaded code package: ``sha256:`` and the zip's hex digest."""
+_FUNCTION_ENTRY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+_PIP_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?\s*([<>=!~]=?[^\s;,]+\s*(,\s*[<>=!~]=?[^\s;,]+\s*)*)?$")
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """A parsed ``entrypoint``: a function (``module:function``) or a script with its arguments."""
+
+    module: str | None = None
+    function: str | None = None
+    script: str | None = None
+    args: tuple[str, ...] = ()
+
+    @property
+    def is_script(self) -> bool:
+        return self.script is not None
+
+
+def parse_entrypoint(value: str) -> Entrypoint:
+    """``"pkg.mod:func"`` or ``"python path/to/script.py --arg 1"``; ``ValueError`` saying the rule."""
+    value = value.strip()
+    if _FUNCTION_ENTRY.match(value):
+        module, _, function = value.partition(":")
+        return Entrypoint(module=module, function=function)
+    try:
+        words = shlex.split(value)
+    except ValueError as e:
+        raise ValueError(f"cannot be split into words ({e})") from e
+    if len(words) >= 2 and words[0] in ("python", "python3"):
+        script = words[1]
+        parts = PurePosixPath(script).parts
+        if not script.endswith(".py") or script.startswith("/") or ".." in parts or "\\" in script:
+            raise ValueError(f"script {script!r} must be a relative path to a .py file inside working_dir (no '..')")
+        return Entrypoint(script=script, args=tuple(words[2:]))
+    raise ValueError(
+        "must be a function as 'package.module:function' or a script as 'python train.py [args...]'"
+    )
+
+
+def _check_entrypoint(v: str) -> str:
+    parse_entrypoint(v)
+    return v
+
+
+def _check_requirement(v: str) -> str:
+    if not _PIP_REQUIREMENT.match(v.strip()):
+        raise ValueError("must be a pip requirement 'name', 'name[extra]' or 'name==1.2' (no URLs, paths or options)")
+    return v.strip()
+
+
 class JobCreate(_Strict):
     """A job as submitted by a user (REST body or YAML file)."""
 
     name: Line = Field(
         ..., min_length=1, max_length=NAME_MAX,
         description="Free-form name: stored and returned verbatim, never used as a path (see slugify).",
+    )
+    entrypoint: Annotated[Line, AfterValidator(_check_entrypoint)] = Field(
+        DEFAULT_ENTRYPOINT, min_length=1, max_length=ENTRYPOINT_MAX,
+        description="What every rank runs: a function 'package.module:function' called with `config` (Ray "
+        "Train style), or a script 'python train.py --epochs 3' run as __main__ on every rank (a path inside "
+        "working_dir). Both use the rank API (trainer.sdk). Default: the bundled GPT example.",
+    )
+    working_dir: str | None = Field(
+        None, pattern=PACKAGE_REF_PATTERN,
+        description="The job's code: 'sha256:<hex>' of a package uploaded to /api/v1/packages (the CLI's "
+        "--working-dir does both); Ray ships it to the driver and every rank, which import from it.",
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description=f"Free JSON handed to a function entry point (its one argument): at most {HOST_MAX_ITEMS} "
+        f"values, {HOST_MAX_DEPTH} levels deep.",
+    )
+    pip: list[Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_no_control),
+                        AfterValidator(_check_requirement)]] = Field(
+        default_factory=list, max_length=64,
+        description="Extra pip requirements for this job, installed by Ray's runtime environment (needs the "
+        "package index reachable from the nodes; the job FAILS with Ray's message otherwise).",
     )
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
@@ -265,6 +346,17 @@ class JobCreate(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     eval_interval: int = Field(0, ge=0, le=10_000_000, description="Steps between validation evaluations; 0: at end.")
+
+    @field_validator("config")
+    @classmethod
+    def _config_is_storable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _storable_json(v)
+
+    @model_validator(mode="after")
+    def _script_needs_code(self) -> JobCreate:
+        if parse_entrypoint(self.entrypoint).is_script and self.working_dir is None:
+            raise ValueError("entrypoint: a script entry point needs working_dir (the code it runs)")
+        return self
 
 
 class JobPublic(BaseModel):
