@@ -78,7 +78,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -417,41 +417,80 @@ def _path_str(path: StatePath) -> str:
     return "/".join(_seg(p) for p in path)
 
 
-def _rank_tree(step: int, model: nn.Module, strategy: Strategy, data: Stateful) -> dict[str, Any]:
-    return {
-        KEY_STEP: step,
-        KEY_MODEL: model.state_dict(),
-        KEY_STRATEGY: strategy.state_dict(),
-        KEY_DATA: data.state_dict(),
-        KEY_RNG: {KEY_RNG_TORCH: torch.get_rng_state(), KEY_RNG_PYTHON: random.getstate()},
-    }
+RESERVED_KEYS = frozenset({KEY_STEP, KEY_RNG})
+"""Names a caller's state objects may not take: the tree's own entries."""
+_STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def state_of(model: nn.Module | None = None, strategy: Stateful | None = None,
+             data: Stateful | None = None) -> dict[str, Stateful]:
+    """The classic trio as a state mapping (``model``, ``strategy``, ``data``), leaving out what is None."""
+    return {k: v for k, v in ((KEY_MODEL, model), (KEY_STRATEGY, strategy), (KEY_DATA, data)) if v is not None}
+
+
+def check_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` as a dict, its names and objects checked (``ValueError`` naming the offending one)."""
+    if not state:
+        raise ValueError("checkpoint state: hand in at least one object (model=..., optimizer=..., ...)")
+    for name, obj in state.items():
+        if not isinstance(name, str) or not _STATE_NAME.match(name) or name in RESERVED_KEYS:
+            raise ValueError(f"checkpoint state: name {name!r} must be an identifier of at most 64 characters, "
+                             f"not one of {sorted(RESERVED_KEYS)}")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"checkpoint state {name!r}: {type(obj).__name__} has no state_dict() / "
+                             "load_state_dict() (wrap plain values in an object that has them)")
+    return dict(state)
+
+
+def _rank_tree(step: int, state: Mapping[str, Stateful]) -> dict[str, Any]:
+    tree: dict[str, Any] = {KEY_STEP: step}
+    for name, obj in state.items():
+        tree[name] = obj.state_dict()
+    tree[KEY_RNG] = {KEY_RNG_TORCH: torch.get_rng_state(), KEY_RNG_PYTHON: random.getstate()}
+    return tree
 
 
 class _TreeLayout:
-    """The part of every path of a rank's tree (the strategy's layout under ``strategy``)."""
+    """The part of every path of a rank's tree.
 
-    def __init__(self, layout: StateLayout) -> None:
-        self.layout = layout
+    An object with a ``state_layout()`` (an optimizer strategy) has its layout applied under its
+    name; a module whose strategy says ``local_model`` is local; the RNG is local; the rest is
+    replicated.
+    """
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.layouts: dict[str, StateLayout] = {
+            name: obj.state_layout() for name, obj in state.items() if callable(getattr(obj, "state_layout", None))
+        }
+        local_modules = {id(getattr(state[name], "module", None)) for name, lay in self.layouts.items()
+                         if lay.local_model}
+        self.local_names = frozenset(name for name, obj in state.items()
+                                     if isinstance(obj, nn.Module) and id(obj) in local_modules)
 
     def part(self, path: StatePath) -> str | Shard:
         head = path[0] if path else None
-        if head == KEY_STRATEGY:
-            return self.layout.part_of(path[1:])
-        if head == KEY_MODEL:
-            return "local" if self.layout.local_model else "replicated"
-        if head == KEY_RNG:
+        if isinstance(head, str) and head in self.layouts:
+            return self.layouts[head].part_of(path[1:])
+        if head in self.local_names or head == KEY_RNG:
             return "local"
         return "replicated"
 
+    def padded(self, path: StatePath) -> int | None:
+        head = path[0] if path else None
+        return self.layouts[head].padded.get(path[1:]) if isinstance(head, str) and head in self.layouts else None
+
+    def is_local_model(self, path: StatePath) -> bool:
+        return bool(path) and path[0] in self.local_names
+
     def boundary(self, path: StatePath) -> str | None:
         """``"local"`` / ``"current"`` when ``path`` is exactly where such a rule starts."""
-        if path in ((KEY_RNG,),) or (path == (KEY_MODEL,) and self.layout.local_model):
+        if path == (KEY_RNG,) or (len(path) == 1 and path[0] in self.local_names):
             return "local"
-        if path and path[0] == KEY_STRATEGY:
-            rest = path[1:]
-            if rest in self.layout.current:
+        if path and isinstance(path[0], str) and path[0] in self.layouts:
+            layout, rest = self.layouts[path[0]], path[1:]
+            if rest in layout.current:
                 return "current"
-            if rest in self.layout.local:
+            if rest in layout.local:
                 return "local"
         return None
 
@@ -537,11 +576,9 @@ def _resized(t: torch.Tensor, length: int | None) -> torch.Tensor:
     return out
 
 
-def _save_state(
-    step: int, rank: int, world_size: int, model: nn.Module, strategy: Strategy, data: Stateful
-) -> dict[str, torch.Tensor]:
+def _save_state(step: int, rank: int, world_size: int, state: Mapping[str, Stateful]) -> dict[str, torch.Tensor]:
     """This rank's state as a flat ``{DCP key: tensor}``, including its JSON tree under ``meta/rank<r>``."""
-    layout = _TreeLayout(strategy.state_layout())
+    layout = _TreeLayout(state)
     flat: dict[str, torch.Tensor] = {}
 
     def on_tensor(path: StatePath, t: torch.Tensor) -> dict[str, Any]:
@@ -562,7 +599,7 @@ def _save_state(
         flat[key] = t.detach()
         return ref
 
-    tree = _encode(_rank_tree(step, model, strategy, data), (), on_tensor)
+    tree = _encode(_rank_tree(step, state), (), on_tensor)
     skeleton = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "step": step, "tree": tree}
     flat[f"{_META}/rank{rank}"] = torch.frombuffer(bytearray(json.dumps(skeleton).encode()), dtype=torch.uint8)
     return flat
@@ -587,32 +624,38 @@ def _read(directory: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Te
 
 
 def save(
-    directory: Path, *, step: int, rank: int, world_size: int, model: nn.Module, strategy: Strategy,
-    data: Stateful, group: Any = None, loss: float | None = None, job_id: str = "",
+    directory: Path, *, step: int, rank: int, world_size: int, state: Mapping[str, Stateful] | None = None,
+    model: nn.Module | None = None, strategy: Strategy | None = None, data: Stateful | None = None,
+    group: Any = None, loss: float | None = None, job_id: str = "",
 ) -> Manifest | None:
     """Save every rank's state after ``step`` into ``directory``, synchronously; collective over ``group``.
 
-    Rank 0 then writes the manifest and returns it (other ranks return None). Does not check the
-    loss (see :meth:`Checkpointer.save`).
+    ``state``: named objects with ``state_dict()`` (``model``, ``strategy``, ``data`` are shorthands
+    for those names). Rank 0 then writes the manifest and returns it (other ranks return None). Does
+    not check the loss (see :meth:`Checkpointer.save`).
     """
     directory = Path(directory)
-    state = _save_state(step, rank, world_size, model, strategy, data)
-    dcp.save(state, storage_writer=FileSystemWriter(str(directory)), process_group=group)
+    named = check_state({**state_of(model, strategy, data), **(state or {})})
+    flat = _save_state(step, rank, world_size, named)
+    dcp.save(flat, storage_writer=FileSystemWriter(str(directory)), process_group=group)
     if rank == 0:
         return write_manifest(directory, step=step, world_size=world_size, loss=loss, job_id=job_id)
     return None
 
 
 def restore(
-    directory: Path, *, rank: int, world_size: int, model: nn.Module, strategy: Strategy, data: Stateful,
+    directory: Path, *, rank: int, world_size: int, state: Mapping[str, Stateful] | None = None,
+    model: nn.Module | None = None, strategy: Strategy | None = None, data: Stateful | None = None,
     verify_checksums: bool = True,
 ) -> int:
     """Load this rank's state from the checkpoint ``directory`` in place; returns its step.
 
-    Any world size: see the module docstring. On a world size other than the checkpoint's, every
-    rank must call this (``strategy.after_restore`` may communicate). Raises
-    :class:`InvalidCheckpoint` when the folder does not verify.
+    ``state``: the same names as saved (``model``, ``strategy``, ``data`` are shorthands). Any world
+    size: see the module docstring. On a world size other than the checkpoint's, every rank must
+    call this (``after_restore`` of a strategy may communicate). Raises :class:`InvalidCheckpoint`
+    when the folder does not verify, ``ValueError`` when it lacks a name asked for.
     """
+    named = check_state({**state_of(model, strategy, data), **(state or {})})
     directory = resolve(Path(directory))
     manifest = verify(directory, checksums=verify_checksums)
     reader = FileSystemReader(str(directory))
@@ -627,24 +670,28 @@ def restore(
     if skeleton.get("format") != FORMAT_VERSION:
         raise InvalidCheckpoint(f"{directory}: rank tree format {skeleton.get('format')!r}")
 
-    strategy_layout = strategy.state_layout()
-    layout = _TreeLayout(strategy_layout)
-    fresh = _rank_tree(0, model, strategy, data)
+    saved_names = {k for k, _ in skeleton["tree"].get("__d__", [])} - RESERVED_KEYS
+    missing = sorted(set(named) - saved_names)
+    if missing:
+        raise ValueError(f"{directory}: the checkpoint holds no state named {missing} (it holds {sorted(saved_names)})")
+    skeleton["tree"]["__d__"] = [[k, v] for k, v in skeleton["tree"]["__d__"] if k in named or k in RESERVED_KEYS]
+    layout = _TreeLayout(named)
+    fresh = _rank_tree(0, named)
     model_src = src if src is not None else rank % old_world
     refs: list[_Ref] = []
 
     def substitute(path: StatePath) -> Any:
         kind = layout.boundary(path)
-        if kind == "current" or (kind == "local" and src is None and path != (KEY_MODEL,)):
+        if kind == "current" or (kind == "local" and src is None and not layout.is_local_model(path)):
             return _lookup(fresh, path)
         return _KEEP
 
     def leaf(path: StatePath, ref: dict[str, Any]) -> Any:
         p = ref["__t__"]
-        length = strategy_layout.padded.get(path[1:]) if path[:1] == (KEY_STRATEGY,) else None
+        length = layout.padded(path)
         part = ref.get("part")
         if part in ("replicated", "local"):
-            owner = model_src if path[:1] == (KEY_MODEL,) and src is None else template_rank
+            owner = model_src if layout.is_local_model(path) and src is None else template_rank
             key = f"{_REP}/{p}" if part == "replicated" else f"rank{owner}/{p}"
 
             def whole(got: dict[str, torch.Tensor], key: str = key, length: int | None = length) -> torch.Tensor:
@@ -697,14 +744,16 @@ def restore(
         return node
 
     tree = resolve_refs(tree)
-    model.load_state_dict(tree[KEY_MODEL])
-    strategy.load_state_dict(tree[KEY_STRATEGY])
-    data.load_state_dict(tree[KEY_DATA])
+    for name, obj in named.items():
+        obj.load_state_dict(tree[name])
     torch.set_rng_state(tree[KEY_RNG][KEY_RNG_TORCH])
     random.setstate(_as_python_rng_state(tree[KEY_RNG][KEY_RNG_PYTHON]))
     step = int(tree[KEY_STEP])
     if old_world != world_size:
-        strategy.after_restore(old_world_size=old_world, fresh=src is None)
+        for obj in named.values():
+            after = getattr(obj, "after_restore", None)
+            if callable(after) and callable(getattr(obj, "state_layout", None)):
+                after(old_world_size=old_world, fresh=src is None)
         log.warning("rank %d: restored step %d from %s, taken on %d ranks, now %d (%s)", rank, step, directory,
                     old_world, world_size, "fresh local state" if src is None else f"old rank {src}'s local state")
     else:
@@ -738,7 +787,7 @@ class _Pending:
 
 @dataclass
 class Checkpointer:
-    """Checkpoints of one :func:`trainer.loop.train` call: every method is called by every rank at the same step.
+    """Checkpoints of one rank session (:mod:`trainer.sdk`): every method is called by every rank at the same step.
 
     ``root`` None: a temporary root for this call (rank 0 makes it, every rank uses it, :meth:`close`
     deletes it), with synchronous saves, so a checkpoint is complete at the report of its step.
@@ -796,20 +845,27 @@ class Checkpointer:
         """A gloo group of every rank for small main-thread agreements (None when not distributed)."""
         return self._ctl
 
-    def _finite_mean_loss(self, loss: float | None, model: nn.Module) -> float | None:
-        """The mean of every rank's loss when every loss and every parameter is finite, else None."""
-        ok = loss is not None and math.isfinite(loss) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        t = torch.tensor([loss if ok else 0.0, 0.0 if ok else 1.0], dtype=torch.float64)
+    def _agree_finite(self, loss: float | None, state: Mapping[str, Any]) -> tuple[bool, float | None]:
+        """Whether every rank's loss and every parameter of the state's modules is finite, and the mean
+        loss (None when a rank reported none). A rank without a loss counts as finite."""
+        modules = [o for o in state.values() if isinstance(o, nn.Module)]
+        has_loss = loss is not None
+        ok = (loss is None or math.isfinite(loss)) and all(
+            bool(torch.isfinite(p).all()) for m in modules for p in m.parameters())
+        t = torch.tensor([loss if ok and loss is not None else 0.0, 0.0 if ok else 1.0, 0.0 if has_loss else 1.0],
+                         dtype=torch.float64)
         if self._distributed:
             dist.all_reduce(t, group=self._ctl)
         if t[1] > 0:
-            return None
-        return float(t[0]) / self.world_size
+            return False, None
+        return True, (None if t[2] > 0 else float(t[0]) / self.world_size)
 
     # -- restore -----------------------------------------------------------------------------------
 
-    def restore(self, model: nn.Module, strategy: Strategy, data: Stateful, hint: Path | None = None) -> int:
-        """Restore the newest valid checkpoint (root and ``hint``); the step restored, 0 when none."""
+    def restore(self, state: Mapping[str, Stateful], hint: Path | None = None) -> int:
+        """Restore the newest valid checkpoint (root and ``hint``) into the named ``state`` objects;
+        the step restored, 0 when none."""
+        state = check_state(state)
         choice: str | None = None
         if self.rank == 0:
             manifest, skipped = choose(None if self._temporary else self.root, hint)
@@ -832,34 +888,33 @@ class Checkpointer:
         choice = self._broadcast_object(choice)
         if choice is None:
             return 0
-        return restore(Path(choice), rank=self.rank, world_size=self.world_size, model=model, strategy=strategy,
-                       data=data, verify_checksums=False)
+        return restore(Path(choice), rank=self.rank, world_size=self.world_size, state=state, verify_checksums=False)
 
     # -- save --------------------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, strategy: Strategy, data: Stateful, loss: float | None, *,
-             wait: bool = False) -> bool:
-        """Checkpoint the state after ``step`` unless some rank's loss or parameters are non-finite.
+    def save(self, step: int, state: Mapping[str, Stateful], loss: float | None, *, wait: bool = False) -> bool:
+        """Checkpoint the named ``state`` after ``step`` unless some rank's loss or parameters are non-finite.
 
         Returns whether a checkpoint was started. ``wait``: return once it is complete (manifest
-        written). Every rank must call this at the same step.
+        written). Every rank must call this at the same step with the same names.
         """
+        state = check_state(state)
         self.wait()  # one save in flight at a time
         assert self.root is not None
         directory = step_dir(self.root, step)
         if self.rank == 0 and directory.exists():
             remove_dir(directory)  # a leftover of an earlier attempt; before the collective below
-        mean_loss = self._finite_mean_loss(loss, model)  # also the barrier after that removal
-        if mean_loss is None:
+        finite, mean_loss = self._agree_finite(loss, state)  # also the barrier after that removal
+        if not finite:
             self.skipped_steps.append(step)
             if self.rank == 0:
                 log.warning("not checkpointing step %d: a rank's loss or parameters are not finite", step)
             return False
-        state = _save_state(step, self.rank, self.world_size, model, strategy, data)
+        flat = _save_state(step, self.rank, self.world_size, state)
         future: concurrent.futures.Future[Any] | None = None
         if self.async_save:
             try:
-                started = dcp.async_save(state, storage_writer=FileSystemWriter(str(directory)),
+                started = dcp.async_save(flat, storage_writer=FileSystemWriter(str(directory)),
                                          process_group=self._group)
                 future = started if isinstance(started, concurrent.futures.Future) else started.upload_completion
             except (AssertionError, RuntimeError, ValueError) as e:  # backend without async support
@@ -868,7 +923,7 @@ class Checkpointer:
         if future is None:
             future = concurrent.futures.Future()
             try:
-                dcp.save(state, storage_writer=FileSystemWriter(str(directory)), process_group=self._group)
+                dcp.save(flat, storage_writer=FileSystemWriter(str(directory)), process_group=self._group)
                 future.set_result(None)
             except Exception as e:  # noqa: BLE001 - handed to the future, reported when collected
                 future.set_exception(e)

@@ -1,4 +1,4 @@
-"""The Ray job driver: validate the job spec, then run the train loop on every rank with Ray Train v2.
+"""The Ray job driver: validate the job spec and its entry point, then run it on every rank with Ray Train v2.
 
 Runs as the entrypoint of a Ray job (``python -m trainer``) on an existing cluster: ``ray.init()``
 with no address joins it (``RAY_ADDRESS`` is set by the job runner; token auth, on by default in
@@ -119,6 +119,12 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         spec = _read_spec(env[ENV_JOB_SPEC], f"${ENV_JOB_SPEC}")
     else:
         raise UsageError(f"no job spec: pass --spec-file or set {ENV_JOB_SPEC}")
+    from trainer.runner import EntrypointError, check_entrypoint
+
+    try:  # here, where the job's code is (its working_dir is this process's working directory)
+        check_entrypoint(spec.entrypoint)
+    except (EntrypointError, ValueError) as e:
+        raise UsageError(str(e)) from e
     if args.report_interval is not None and args.report_interval < 1:
         raise UsageError("--report-interval must be >= 1")
     storage = str(Path(env.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH).expanduser().resolve())
@@ -142,7 +148,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
     from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     from trainer.checkpoint import job_root
-    from trainer.loop import train_loop_per_worker
+    from trainer.runner import train_loop_per_worker
 
     sc = cfg.spec.scaling
     num_workers: int | tuple[int, int] = (

@@ -19,7 +19,7 @@ import torch
 
 from controller.schemas import CheckpointSample, JobCreate
 from trainer import checkpoint
-from trainer.checkpoint import Checkpointer, InvalidCheckpoint
+from trainer.checkpoint import Checkpointer, InvalidCheckpoint, state_of
 from trainer.comm import Comm
 from trainer.data import BatchSampler
 from trainer.model import build_model
@@ -146,7 +146,7 @@ def test_restore_falls_back_past_corrupt_and_partial_checkpoints(tmp_path: Path)
     sink = Sink()
     m2, s2, d2 = _parts(1)
     ckpt = Checkpointer(tmp_path, rank=0, world_size=1, job_id="j", sink=sink)
-    assert ckpt.restore(m2, s2, d2) == 2
+    assert ckpt.restore(state_of(m2, s2, d2)) == 2
     for k, v in want.items():
         assert torch.equal(m2.state_dict()[k], v), k
     # Rank 0 said which checkpoints it skipped, and why; they are gone, so a save of step 4 or 6
@@ -164,8 +164,8 @@ def test_nothing_valid_means_step_one(tmp_path: Path) -> None:
     d = _save(tmp_path, 5, parts)
     (d / "manifest.json").unlink()
     ckpt = Checkpointer(tmp_path, rank=0, world_size=1, job_id="j", sink=Sink())
-    assert ckpt.restore(*_parts(1)) == 0
-    assert Checkpointer(tmp_path / "empty", rank=0, world_size=1, job_id="j").restore(*_parts(1)) == 0
+    assert ckpt.restore(state_of(*_parts(1))) == 0
+    assert Checkpointer(tmp_path / "empty", rank=0, world_size=1, job_id="j").restore(state_of(*_parts(1))) == 0
 
 
 def test_retention_keeps_the_last_k_complete_checkpoints(tmp_path: Path) -> None:
@@ -177,7 +177,7 @@ def test_retention_keeps_the_last_k_complete_checkpoints(tmp_path: Path) -> None
     (stale / "__0_0.distcp").write_bytes(b"x")
     for step in (2, 4, 6, 8):
         loss = _train_steps(model, strategy, data, 2, step - 1)
-        assert ckpt.save(step, model, strategy, data, loss)
+        assert ckpt.save(step, state_of(model, strategy, data), loss)
     assert [s for s, _ in checkpoint.list_step_dirs(tmp_path)] == [6, 8]
     assert all(checkpoint.verify(d) for _, d in checkpoint.list_step_dirs(tmp_path))
     assert [(s.step, s.valid, s.files) for s in sink.samples] == [(2, True, 2), (4, True, 2), (6, True, 2), (8, True, 2)]
@@ -191,12 +191,13 @@ def test_non_finite_loss_or_weights_are_never_checkpointed(tmp_path: Path) -> No
     model, strategy, data = _parts(0)
     ckpt = Checkpointer(tmp_path, rank=0, world_size=1, job_id="j", sink=Sink())
     loss = _train_steps(model, strategy, data, 1)
-    assert not ckpt.save(1, model, strategy, data, math.nan)
-    assert not ckpt.save(1, model, strategy, data, math.inf)
-    assert not ckpt.save(1, model, strategy, data, None)
+    assert not ckpt.save(1, state_of(model, strategy, data), math.nan)
+    assert not ckpt.save(1, state_of(model, strategy, data), math.inf)
     with torch.no_grad():
         next(model.parameters())[0].fill_(math.nan)
-    assert not ckpt.save(1, model, strategy, data, loss)  # a finite loss with NaN weights: still not
+    assert not ckpt.save(1, state_of(model, strategy, data), loss)  # a finite loss with NaN weights: still not
+    # No loss reported at all (a user's loop may report none): the weights alone decide.
+    assert not ckpt.save(1, state_of(model, strategy, data), None)
     assert ckpt.skipped_steps == [1, 1, 1, 1] and ckpt.saved_steps == []
     assert checkpoint.list_step_dirs(tmp_path) == []
     ckpt.close()
@@ -209,7 +210,7 @@ def test_async_save_completes_in_the_background_and_is_reported_once(tmp_path: P
     assert ckpt.async_save
     loss = _train_steps(model, strategy, data, 2)
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    assert ckpt.save(2, model, strategy, data, loss)
+    assert ckpt.save(2, state_of(model, strategy, data), loss)
     _train_steps(model, strategy, data, 2, 3)  # the weights move on while the save is written
     ckpt.wait()
     done = ckpt.reportable()
@@ -259,3 +260,38 @@ def test_state_that_is_not_tensors_and_plain_values_is_refused(tmp_path: Path) -
 
     with pytest.raises(TypeError, match="thing"):
         checkpoint.save(tmp_path / "x", step=1, rank=0, world_size=1, model=model, strategy=strategy, data=Odd())
+
+
+def test_any_named_state_round_trips_and_names_are_checked(tmp_path: Path) -> None:
+    """The rank API's checkpoints: whatever objects the caller names (a plain torch optimizer too)."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+    class Position:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def state_dict(self) -> dict[str, int]:
+            return {"i": self.i}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.i = state["i"]
+
+    ckpt = Checkpointer(tmp_path, rank=0, world_size=1, job_id="j", async_save=False)
+    assert ckpt.save(7, {"net": net, "opt": opt, "pos": Position(42)}, None)
+    net2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
+    pos2 = Position(0)
+    assert ckpt.restore({"net": net2, "opt": opt2, "pos": pos2}) == 7
+    assert pos2.i == 42 and all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters(), strict=True))
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], opt2.state_dict()["state"][0]["momentum_buffer"])
+    with pytest.raises(ValueError, match=r"no state named \['other'\]"):
+        ckpt.restore({"net": net2, "other": pos2})
+    with pytest.raises(ValueError, match="name 'step'"):
+        ckpt.save(8, {"step": pos2}, None)
+    with pytest.raises(TypeError, match="has no state_dict"):
+        ckpt.save(8, {"n": 3}, None)
+    ckpt.close()

@@ -61,7 +61,7 @@ def test_main_exits_2_with_a_clear_message(monkeypatch: pytest.MonkeyPatch, caps
 def test_trainer_is_built_from_the_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.train.torch import TorchConfig
 
-    from trainer.loop import train_loop_per_worker
+    from trainer.runner import train_loop_per_worker
 
     for name in RAY_TRAIN_ENV_DEFAULTS:  # build_trainer sets them; restored after the test
         monkeypatch.delenv(name, raising=False)

@@ -19,7 +19,8 @@ from controller.schemas import CheckpointSample, JobCreate, StepSample
 from trainer import checkpoint
 from trainer.comm import CollectiveRecord
 from trainer.faults import FIRED_SUFFIX, NAN_LOSS, SLOW_RANK, FaultHook, fault_path
-from trainer.loop import RankContext, train
+from examples.gpt_pydoc.gpt_train import train
+from trainer.sdk import RankContext
 
 
 def _write(path: Path, body: Any) -> None:

@@ -1,4 +1,4 @@
-"""The train loop without Ray: 2 ranks as torch.multiprocessing processes over gloo on 127.0.0.1.
+"""The bundled GPT example's loop on the rank API (trainer.sdk), without Ray: 2 ranks as torch.multiprocessing processes over gloo on 127.0.0.1.
 
 Needs torch with gloo (CPU) and a free TCP port on localhost (found by binding port 0); every
 process runs under a timeout and is killed if it overruns. Also single-process tests of the lr
@@ -25,14 +25,9 @@ import torch.distributed as dist
 from controller.schemas import CheckpointSample, JobCreate, StepSample
 from trainer.checkpoint import MANIFEST_FILE, verify
 from trainer.comm import CollectiveRecord
-from trainer.loop import (
-    MAX_PREEMPTION_CHECK_STEPS,
-    PreemptionSchedule,
-    RankContext,
-    lr_at,
-    ray_node_name,
-    train,
-)
+from examples.gpt_pydoc.gpt_train import lr_at, train
+from trainer.runner import ray_node_name
+from trainer.sdk import MAX_PREEMPTION_CHECK_STEPS, PreemptionSchedule, RankContext
 
 STEPS = 20
 SPEC = JobCreate(

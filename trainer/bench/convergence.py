@@ -1,6 +1,6 @@
 """The small reproduction of ALGORITHMS.md: ``python -m trainer.bench.convergence [--quick] [--json]``.
 
-Every method trains the same byte-level GPT with the real train loop (:func:`trainer.loop.train`)
+Every method trains the same byte-level GPT with the bundled GPT example on the rank API (:mod:`examples.gpt_pydoc.gpt_train`)
 on ``--world`` (4) gloo ranks of this machine, each rank on its own disjoint shard of the offline
 pydoc corpus, with the same seeds, steps, batch and learning-rate schedule (so the same token
 budget) for every method of a family. Reported per method:
@@ -79,7 +79,8 @@ from trainer import quant
 from trainer.bench.ranks import RankFailure, run_ranks
 from trainer.comm import CollectiveRecord
 from trainer.data import build_samplers
-from trainer.loop import RankContext, evaluate, train
+from examples.gpt_pydoc.gpt_train import evaluate, train
+from trainer.sdk import RankContext
 
 log = logging.getLogger(__name__)
 

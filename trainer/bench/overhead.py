@@ -2,7 +2,7 @@
 
 ``vigil bench overhead [--json] [--steps 1000] [--block 5] [--ranks 2]``
 
-The real train loop (:func:`trainer.loop.train`, DDP AdamW on the demo's byte-level GPT, gloo) runs
+The bundled GPT example on the rank API (:mod:`examples.gpt_pydoc.gpt_train`, DDP AdamW on the demo's byte-level GPT, gloo) runs
 on ``--ranks`` processes of this machine next to a real ``vigil agent`` process listening on the
 node socket (its controller is unreachable, so it spools: the rank side is what is measured). The
 telemetry sink alternates by blocks of ``--block`` steps: on (:class:`trainer.telemetry.RankTelemetry`,
@@ -82,7 +82,8 @@ class BlockSink:
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any], sock: str, block: int) -> dict[str, Any]:
     from controller.schemas import JobCreate
-    from trainer.loop import RankContext, train
+    from examples.gpt_pydoc.gpt_train import train
+    from trainer.sdk import RankContext
     from trainer.telemetry import RankTelemetry
 
     sink = BlockSink(RankTelemetry(sock), block)

@@ -19,7 +19,8 @@ import torch
 
 from controller.schemas import JobCreate
 from tests.trainer.optim.harness import run_ranks
-from trainer.loop import RankContext, train
+from examples.gpt_pydoc.gpt_train import train
+from trainer.sdk import RankContext
 
 TIMEOUT = 300
 STEPS, CKPT = 6, 3

@@ -4,7 +4,7 @@ Multi-process tests run 4 gloo ranks on this machine through tests/trainer/optim
 (needs a free TCP port on 127.0.0.1; every run under a timeout), pretending to be 2 nodes of 2
 ranks (``ranks_per_node=2``), or 2 nodes whose ranks interleave ({0, 3} and {1, 2}) to exercise the
 shard reordering of the two-level all-to-all. The model is an 8,062-parameter MLP, one thread a rank.
-One test runs the real train loop (trainer.loop) on the offline corpus, with a checkpoint and resume.
+One test runs the GPT example on the rank API (examples/gpt_pydoc) on the offline corpus, with a checkpoint and resume.
 """
 
 from __future__ import annotations
@@ -275,10 +275,11 @@ def test_save_restore_matches_uninterrupted_run(kind: str) -> None:
 
 
 def _rank_loop(rank: int, world: int, kind: str, out: str, cache: str) -> dict[str, Any]:
-    """The real train loop (trainer.loop.train) with SDP4Bit: a full run checkpointing at step 6,
+    """The GPT example on the rank API with SDP4Bit: a full run checkpointing at step 6,
     then a run resumed from that checkpoint."""
     from controller.schemas import JobCreate
-    from trainer.loop import RankContext, train
+    from examples.gpt_pydoc.gpt_train import train
+    from trainer.sdk import RankContext
 
     spec = JobCreate(
         name="sdp4bit-loop", model={"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},

@@ -1,0 +1,153 @@
+"""Vigil's side of every rank under Ray Train: open the rank's session, run the job's entry point, close.
+
+The job's ``entrypoint`` (:func:`controller.schemas.parse_entrypoint`) is either a function
+``package.module:function``, called with the job's ``config`` (Ray Train's ``train_loop_per_worker``
+style), or a script ``python train.py args...``, run as ``__main__`` with those arguments on every
+rank (torchrun style). Either way the user's code reaches Vigil through :mod:`trainer.sdk`: the
+session is open before it starts, with the rank's telemetry sink (the node agent's socket), fault
+file, checkpoint root, the checkpoint Ray Train hands back and Ray Train's preemption signal.
+The code comes from the job's ``working_dir`` (Ray unpacks it and makes it the working directory
+and an import root of the driver and of every rank), or from what is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import runpy
+import sys
+import tempfile
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from controller.schemas import Entrypoint, JobCreate, parse_entrypoint
+from trainer import checkpoint, sdk
+from trainer.faults import fault_path
+
+log = logging.getLogger(__name__)
+
+
+class EntrypointError(Exception):
+    """The entry point cannot be found or loaded (a bad job, not a training failure)."""
+
+
+def load_function(entry: Entrypoint) -> Callable[..., Any]:
+    """The function of a ``module:function`` entry point; :class:`EntrypointError` saying why not."""
+    assert entry.module is not None and entry.function is not None
+    try:
+        module = importlib.import_module(entry.module)
+    except ImportError as e:
+        raise EntrypointError(f"entrypoint: cannot import {entry.module!r} ({e}); is it in working_dir?") from e
+    fn = getattr(module, entry.function, None)
+    if not callable(fn):
+        raise EntrypointError(f"entrypoint: {entry.module!r} has no function {entry.function!r}")
+    return fn
+
+
+def check_entrypoint(value: str, cwd: Path | None = None) -> Entrypoint:
+    """Parse and look up an entry point where it will run (the driver does this before starting ranks)."""
+    entry = parse_entrypoint(value)
+    if entry.is_script:
+        assert entry.script is not None
+        path = (cwd or Path.cwd()) / entry.script
+        if not path.is_file():
+            raise EntrypointError(f"entrypoint: script {entry.script!r} not found in the working directory {path.parent}")
+    else:
+        load_function(entry)
+    return entry
+
+
+def run_entrypoint(entry: Entrypoint, config: dict[str, Any]) -> None:
+    """Run the user's code on this rank (inside an open session)."""
+    if not entry.is_script:
+        load_function(entry)(config)
+        return
+    assert entry.script is not None
+    script = str(Path(entry.script).resolve())
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [entry.script, *entry.args]
+    sys.path.insert(0, str(Path(script).parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:  # a script's sys.exit(0) is success; anything else is a failure
+        if e.code not in (None, 0):
+            raise RuntimeError(f"script {entry.script} exited with status {e.code}") from e
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def ray_node_name(node_id: str, nodes: list[dict[str, Any]]) -> str:
+    """The Ray node *name* of ``node_id`` in ``ray.nodes()``'s answer (Vigil's node identity,
+    docs/RECOVERY.md); the node id itself when the node has no name there."""
+    for n in nodes:
+        if n.get("NodeID") == node_id and n.get("NodeName"):
+            return str(n["NodeName"])
+    return node_id
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train entry point of each rank. ``config``: ``{"spec": JobCreate as dict, "job_id": str,
+    "run_dir": agent sockets dir or None, "checkpoint_root": str (the job's checkpoint root),
+    "report_interval": int (optional)}``."""
+    import ray
+    import ray.train
+
+    from controller.settings import agent_socket_path, get_settings
+    from trainer.telemetry import RankTelemetry
+
+    spec = JobCreate.model_validate(config["spec"])
+    entry = parse_entrypoint(spec.entrypoint)
+    job_id = str(config["job_id"])
+    tctx = ray.train.get_context()
+    rank = tctx.get_world_rank()
+    ray_node_id = ray.get_runtime_context().get_node_id()
+    try:
+        node = ray_node_name(ray_node_id, ray.nodes())
+    except Exception as e:  # noqa: BLE001 - the node id still identifies the node, only less durably
+        log.warning("rank %d: cannot read Ray's node names (%s); using the node id", rank, e)
+        node = ray_node_id
+    run_dir = Path(config.get("run_dir") or get_settings().run_dir)
+    root = config.get("checkpoint_root")
+    if root is None:
+        from trainer.driver import DEFAULT_STORAGE_PATH, ENV_STORAGE_PATH
+
+        storage = Path(os.environ.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH).expanduser()
+        root = checkpoint.job_root(storage, job_id)
+
+    def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        # Rank 0 alone hands Ray Train a pointer to the complete checkpoint (module docstring of
+        # trainer.checkpoint); Ray copies that tiny folder, never the data.
+        if checkpoint_dir is None or rank != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory(prefix="vigil-pointer-") as d:
+            checkpoint.write_pointer(Path(d), checkpoint_dir)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+    def preemption_pending() -> bool:
+        return ray.train.get_preemption_info() is not None
+
+    resume = ray.train.get_checkpoint()
+    with RankTelemetry(agent_socket_path(run_dir, node)) as telemetry, (
+        resume.as_directory() if resume is not None else nullcontext(None)
+    ) as restore_dir:
+        ctx = sdk.RankContext(
+            rank=rank,
+            world_size=tctx.get_world_size(),
+            job_id=job_id,
+            node_id=node,
+            report=report,
+            telemetry=telemetry,
+            checkpoint_root=Path(root),
+            restore_dir=Path(restore_dir) if restore_dir is not None else None,
+            preemption_pending=preemption_pending,
+            report_interval=int(config.get("report_interval") or sdk.REPORT_INTERVAL_STEPS),
+            fault_file=fault_path(run_dir, job_id, rank),
+        )
+        summary = sdk.run(lambda cfg: run_entrypoint(entry, cfg), ctx, spec)
+        if telemetry.dropped_total:
+            log.info("rank %d: %d telemetry samples dropped (no agent or agent busy)", ctx.rank, telemetry.dropped_total)
+    log.info("rank %d (node %s) finished at step %d", ctx.rank, node, summary.final_step)
