@@ -53,6 +53,7 @@ Every rank must make the same calls in the same order (:func:`optimizer`, :func:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -61,7 +62,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -336,7 +337,7 @@ class Step:
 
     # -- context -----------------------------------------------------------------------------------
 
-    def __enter__(self) -> Step:
+    def __enter__(self) -> Self:
         s = self.session
         if s._step is not None:
             raise RuntimeError(f"step {self.number} opened while step {s._step.number} is still open")
@@ -353,7 +354,7 @@ class Step:
         self._t0 = time.perf_counter()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         s = self.session
         s._step = None
         if exc_type is not None:
@@ -445,7 +446,12 @@ class Session:
         base.update({k: v for k, v in overrides.items() if v is not None})
         spec = OptimizerSpec.model_validate(base)  # a ValidationError names the field and the rule
         strategy = build_strategy(spec, model, self.comm)
-        self._hooks.append(model.register_forward_hook(self._poison_outputs))
+        def poison(module: nn.Module, args: Any, output: Any) -> Any:
+            # A plain function, not a bound method: deepcopy (a strategy's eval copy of the module)
+            # shares functions instead of copying the session they close over.
+            return self._poison_outputs(module, args, output)
+
+        self._hooks.append(model.register_forward_hook(poison))
         self.summary.model = model
         return Optimizer(self, strategy, spec)
 
@@ -619,6 +625,9 @@ def init(ctx: RankContext | None = None, spec: JobCreate | None = None,
                           world_size=dist.get_world_size() if distributed else 1,
                           job_id=os.environ.get("VIGIL_JOB_ID") or "local",
                           checkpoint_root=Path(root) if root else None)
+        _current = Session(ctx, spec, config)
+        atexit.register(close)  # nobody else closes a session made here: wait for its last checkpoint
+        return _current
     _current = Session(ctx, spec, config)
     return _current
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from controller.schemas import CheckpointSample, JobCreate, StepSample
+from examples.gpt_pydoc.gpt_train import train
 from trainer import checkpoint
 from trainer.comm import CollectiveRecord
 from trainer.faults import FIRED_SUFFIX, NAN_LOSS, SLOW_RANK, FaultHook, fault_path
-from examples.gpt_pydoc.gpt_train import train
 from trainer.sdk import RankContext
 
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from controller.schemas import CheckpointSample, JobCreate, StepSample
+from examples.gpt_pydoc.gpt_train import lr_at, train
 from trainer.checkpoint import MANIFEST_FILE, verify
 from trainer.comm import CollectiveRecord
-from examples.gpt_pydoc.gpt_train import lr_at, train
 from trainer.runner import ray_node_name
 from trainer.sdk import MAX_PREEMPTION_CHECK_STEPS, PreemptionSchedule, RankContext
 

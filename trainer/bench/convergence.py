@@ -75,11 +75,11 @@ from typing import Any
 import torch
 
 from controller.schemas import JobCreate, ModelSpec, StepSample
+from examples.gpt_pydoc.gpt_train import evaluate, train
 from trainer import quant
 from trainer.bench.ranks import RankFailure, run_ranks
 from trainer.comm import CollectiveRecord
 from trainer.data import build_samplers
-from examples.gpt_pydoc.gpt_train import evaluate, train
 from trainer.sdk import RankContext
 
 log = logging.getLogger(__name__)
