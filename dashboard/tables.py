@@ -16,6 +16,7 @@ from typing import Any
 from dash import dcc, html
 
 from controller.schemas import (
+    DEFAULT_ENTRYPOINT,
     EventsPublic,
     JobPublic,
     JobsPublic,
@@ -243,12 +244,19 @@ def job_summary(job: JobPublic) -> list[Any]:
     m = spec.model
     facts = [
         ("id", job.id),
+        ("entry point", spec.entrypoint),
         ("optimizer", f"{spec.optimizer.kind} (lr {fmt_float(spec.optimizer.lr, 3)})"),
         ("workers", fmt_workers(job)),
         ("step", fmt_progress(job)),
         ("last loss", fmt_float(job.last_loss)),
-        ("batch", f"{spec.batch_size} x {m.context} bytes per rank"),
-        ("model", f"{m.n_layer} layers, {m.n_head} heads, d_model {m.d_model}"),
+    ]
+    if spec.entrypoint == DEFAULT_ENTRYPOINT or spec.entrypoint.startswith("gpt_train:"):
+        # The bundled GPT example's own settings; other code has its `config` instead.
+        facts += [("batch", f"{spec.batch_size} x {m.context} bytes per rank"),
+                  ("model", f"{m.n_layer} layers, {m.n_head} heads, d_model {m.d_model}")]
+    if spec.working_dir:
+        facts.append(("code", spec.working_dir[:19]))
+    facts += [
         ("recovery", spec.recovery.policy.value),
         ("created", fmt_time(job.created_at)),
         ("started", fmt_time(job.started_at)),
