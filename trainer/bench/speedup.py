@@ -42,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,14 +51,15 @@ import torch
 import torch.distributed as dist
 
 from controller import netns
-from controller.schemas import ModelSpec, OptimizerSpec
+from controller.schemas import JobCreate, ModelSpec, StepSample
+from trainer import sdk
 from trainer.bench.comm import CONFIGS as COMM_CONFIGS
 from trainer.bench.comm import BenchConfig
 from trainer.bench.netns_ranks import enter_namespace, nic_bytes
 from trainer.bench.ranks import run_ranks
-from trainer.comm import Comm
+from trainer.comm import CollectiveRecord
 from trainer.model import build_model
-from trainer.optim import REGISTRY, build_strategy
+from trainer.optim import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -86,47 +88,64 @@ def configs() -> list[BenchConfig]:
     return out
 
 
+class _Sink:
+    """Keeps this rank's step samples and collective records (the rank API's telemetry, in memory)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[StepSample, list[CollectiveRecord]]] = []
+
+    def send_step(self, sample: StepSample, records: Sequence[CollectiveRecord] = ()) -> None:
+        self.steps.append((sample, list(records)))
+
+    def send_checkpoint(self, sample: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _run_config(rank: int, cfg: BenchConfig, steps: int, warmup: int, model_spec: ModelSpec,
                 batch: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = build_model(model_spec)
-    n_params = sum(p.numel() for p in model.parameters())
-    comm = Comm.from_process_group()
-    spec = OptimizerSpec.model_validate({"kind": cfg.kind, "lr": LR, "params": cfg.params})
-    try:
-        strategy = build_strategy(spec, model, comm)
-    except ValueError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    comm.drain()
-    gen = torch.Generator().manual_seed(1000 + rank)
-    times: list[float] = []
-    comm_times: list[float] = []
-    wire = 0
-    tx0 = 0
-    try:
+    """One optimizer on this rank through the public rank API (:mod:`trainer.sdk`), as a user's loop runs it."""
+    world = dist.get_world_size()
+    sink = _Sink()
+    ctx = sdk.RankContext(rank=rank, world_size=world, job_id=f"speedup-{cfg.name.replace('_', '-')}",
+                          telemetry=sink, async_checkpoints=False)
+    job = JobCreate.model_validate({"name": f"speedup-{cfg.name}", "steps": warmup + steps,
+                                    "checkpoint": {"interval_steps": 0}})
+    out: dict[str, Any] = {}
+    tx: list[int] = []
+
+    def loop(config: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        model = build_model(model_spec)
+        out["n_params"] = sum(p.numel() for p in model.parameters())
+        opt = sdk.optimizer(model, cfg.kind, lr=LR, params=cfg.params)
+        gen = torch.Generator().manual_seed(1000 + rank)
         dist.barrier()
         for step in range(1, warmup + steps + 1):
             if step == warmup + 1:
-                tx0 = nic_bytes()[0]
+                tx.append(nic_bytes()[0])
             tokens = torch.randint(0, 256, (batch, model_spec.context + 1), generator=gen)
-            comm.set_step(step)
-            t0 = time.perf_counter()
-            strategy.zero_grad()
-            _, loss = strategy.model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            strategy.step(step, LR)
-            records = comm.drain()
-            dt = time.perf_counter() - t0
-            if step > warmup:
-                times.append(dt)
-                comm_times.append(sum(r.duration_s for r in records))
-                wire += sum(r.wire_bytes for r in records)
-        tx = nic_bytes()[0] - tx0
+            with sdk.step(step) as s:
+                opt.zero_grad()
+                _, loss = opt.model(tokens[:, :-1], tokens[:, 1:])
+                loss.backward()
+                opt.step(LR)
+                s.report(loss, tokens=batch * model_spec.context)
+        tx.append(nic_bytes()[0])
         dist.barrier()
+
+    try:
+        sdk.run(loop, ctx, job)
     except Exception as exc:  # reported per configuration; the others still run
         log.exception("rank %d: %s failed", rank, cfg.name)
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"n_params": n_params, "times": times, "comm": comm_times, "wire": wire, "tx": tx}
+    measured = [(sample, [r for r in recs if r.step == sample.step]) for sample, recs in sink.steps
+                if sample.step > warmup]
+    return {"n_params": out["n_params"], "times": [sample.step_time_s for sample, _ in measured],
+            "comm": [sum(r.duration_s for r in recs) for _, recs in measured],
+            "wire": sum(r.wire_bytes for _, recs in measured for r in recs), "tx": tx[1] - tx[0]}
 
 
 def _rank_main(rank: int, world: int, cfgs: list[BenchConfig], steps: int, warmup: int, model_spec: ModelSpec,
