@@ -22,8 +22,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def test_readme_example_trains_and_checkpoints(tmp_path: Path) -> None:
     text = README.read_text()
     section = text[text.index("## Train your own model"):text.index("## How it fits together")]
-    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
-    spec = JobCreate.model_validate(yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[0]))
+    code = re.findall(r"```python\n(.*?)```", section, re.DOTALL)[0]
+    spec = JobCreate.model_validate(yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)[0]))
     (tmp_path / "train.py").write_text(code)
     module_spec = importlib.util.spec_from_file_location("readme_train", tmp_path / "train.py")
     assert module_spec is not None and module_spec.loader is not None
