@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 from controller import migrate
 from controller.aggregation import TelemetryMaintainer
-from controller.api import jobs, nodes, recovery, telemetry, tokens
+from controller.api import jobs, nodes, packages, recovery, telemetry, tokens
 from controller.api import metrics as metrics_routes
 from controller.api.deps import SessionDep
 from controller.auth import authorize, mint_internal_token
@@ -68,7 +68,7 @@ def create_app(
     settings = settings or get_settings()
     url = settings.resolved_database_url()
     if launcher is None and settings.ray_address:
-        launcher = RayJobLauncher(settings.ray_address)
+        launcher = RayJobLauncher(settings.ray_address, packages_dir=settings.resolved_packages_dir())
     if cluster is None and settings.ray_gcs_address:
         cluster = RayClusterControl(settings.ray_gcs_address)
 
@@ -126,9 +126,11 @@ def create_app(
     api.include_router(metrics_routes.router)
     api.include_router(tokens.router)
     api.include_router(recovery.router)
+    api.include_router(packages.router)
     app.include_router(api)
     app.include_router(metrics_routes.root_router)  # /metrics (Prometheus)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       per_path={"/api/v1/packages": settings.max_package_bytes})
     app.add_exception_handler(RequestValidationError, validation_error_handler)  # type: ignore[arg-type]
     if not settings.auth_enabled:
         log.warning("VIGIL_AUTH_ENABLED=false: every route is open to anyone who reaches the controller")

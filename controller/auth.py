@@ -70,6 +70,9 @@ ROUTE_POLICY: dict[tuple[str, str], frozenset[Role] | str] = {
     # recovery (controller/api/recovery.py)
     ("POST", f"{API}/jobs/{{job_id}}/faults"): WRITE,
     ("GET", f"{API}/jobs/{{job_id}}/faults"): READ,
+    # code packages (controller/api/packages.py): who may submit may upload; readers may look
+    ("POST", f"{API}/packages"): WRITE,
+    ("GET", f"{API}/packages/{{sha256}}"): READ,
     ("POST", f"{API}/jobs/{{job_id}}/faults/{{fault_id}}/clear"): WRITE,
     ("GET", f"{API}/incidents"): READ,
     ("GET", f"{API}/jobs/{{job_id}}/incidents"): READ,

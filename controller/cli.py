@@ -239,8 +239,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    package = None
+    if args.working_dir:
+        from controller.packages import PackageError, pack_directory
+
+        try:
+            package = pack_directory(Path(args.working_dir), args.exclude or (),
+                                     max_bytes=get_settings().max_package_bytes)
+        except (PackageError, OSError) as exc:
+            print(f"submit: {exc}", file=sys.stderr)
+            return 2
     with _client(args) as client:
         try:
+            if package is not None:
+                uploaded = client.upload_package(package)
+                print(f"uploaded {args.working_dir} as {uploaded.ref} ({uploaded.files} files, {uploaded.size} bytes)",
+                      file=sys.stderr)
+                spec = spec.model_copy(update={"working_dir": uploaded.ref})
             job = client.submit_job(spec)
         except ApiError as exc:
             print(f"submit refused: {exc}", file=sys.stderr)
@@ -502,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("submit", help="Submit a job file (YAML); prints the job id.")
     s.add_argument("file")
+    s.add_argument("--working-dir", help="Your code: this folder is packed (minus .git/, __pycache__/, .venv/ and "
+                   "what its .vigilignore lists), uploaded, and shipped to the driver and every rank.")
+    s.add_argument("--exclude", action="append", metavar="PATTERN",
+                   help="Leave matching files out of the package (gitignore syntax; repeatable).")
     s.add_argument("--follow", action="store_true", help="Show a progress bar until the job ends.")
 
     j = sub.add_parser("jobs", help="List jobs.")

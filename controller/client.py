@@ -23,6 +23,7 @@ from controller.schemas import (
     LogsPublic,
     NodeCommandsPublic,
     NodesPublic,
+    PackagePublic,
     TelemetryAck,
     TelemetryBatch,
     TokenCreate,
@@ -74,6 +75,18 @@ class VigilClient:
                 detail = resp.text
             raise ApiError(resp.status_code, detail)
         return resp.json()
+
+    # -- code packages ------------------------------------------------------------------------
+    def upload_package(self, data: bytes) -> PackagePublic:
+        """Store a code package (a zip, e.g. :func:`controller.packages.pack_directory`'s); a job names
+        it by the answer's ``ref`` in ``working_dir``. Uploads take longer than other calls: no timeout
+        shorter than a minute."""
+        timeout = max(60.0, self._http.timeout.read or 0.0)
+        return PackagePublic.model_validate(self._request(
+            "POST", f"{API}/packages", content=data, headers={"Content-Type": "application/zip"}, timeout=timeout))
+
+    def get_package(self, sha256: str) -> PackagePublic:
+        return PackagePublic.model_validate(self._request("GET", f"{API}/packages/{sha256}"))
 
     # -- health -------------------------------------------------------------------------------
     def health(self) -> Health:

@@ -13,8 +13,10 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
+from controller.packages import package_path
 from controller.schemas import JobCreate, JobStatus
 
 log = logging.getLogger(__name__)
@@ -66,15 +68,19 @@ def ray_client_env() -> None:
 class RayJobLauncher:
     """Submits the trainer as a Ray job through the cluster's Job Submission API."""
 
-    def __init__(self, address: str, python: str | None = None) -> None:
+    def __init__(self, address: str, python: str | None = None, packages_dir: Path | None = None) -> None:
         ray_client_env()
         from ray.job_submission import JobSubmissionClient
 
         self.address = address
         self.python = python or sys.executable
+        self.packages_dir = packages_dir
         self._client = JobSubmissionClient(address)
 
-    def submit(self, job_id: str, spec: JobCreate, env: dict[str, str]) -> str:
+    def runtime_env(self, job_id: str, spec: JobCreate, env: dict[str, str]) -> dict[str, Any]:
+        """Ray's runtime environment for the job: its variables, its code package (Ray uploads the
+        local zip to the cluster and unpacks it as the working directory of the driver and of every
+        rank), its pip requirements (installed by Ray on each node)."""
         env_vars = {
             "VIGIL_JOB_ID": job_id,
             "VIGIL_JOB_SPEC": json.dumps(spec.model_dump(mode="json")),
@@ -83,11 +89,25 @@ class RayJobLauncher:
             "MKL_NUM_THREADS": "1",
             **env,
         }
+        runtime_env: dict[str, Any] = {"env_vars": env_vars}
+        if spec.working_dir is not None:
+            if self.packages_dir is None:
+                raise LaunchError("the job has a working_dir but this controller has no packages folder")
+            path = package_path(self.packages_dir, spec.working_dir)
+            if not path.is_file():
+                raise LaunchError(f"code package {spec.working_dir} is not stored at {path}")
+            runtime_env["working_dir"] = str(path)
+        if spec.pip:
+            runtime_env["pip"] = list(spec.pip)
+        return runtime_env
+
+    def submit(self, job_id: str, spec: JobCreate, env: dict[str, str]) -> str:
+        runtime_env = self.runtime_env(job_id, spec, env)
         try:
             return self._client.submit_job(
                 entrypoint=f"{self.python} {TRAINER_ENTRYPOINT}",
                 submission_id=f"vigil-{job_id}",
-                runtime_env={"env_vars": env_vars},
+                runtime_env=runtime_env,
                 metadata={"vigil_job_id": job_id, "name": spec.name[:100]},
                 entrypoint_num_cpus=0,
             )

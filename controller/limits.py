@@ -31,14 +31,28 @@ def body_limit_detail(limit: int) -> str:
 class BodySizeLimit:
     """Refuse request bodies larger than ``max_bytes`` with 413."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_max_bytes = max_bytes
+        self.per_path = dict(per_path or {})
+        """Exact paths with a limit of their own (the code package upload)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.per_path.get(scope.get("path", ""), self.default_max_bytes)
+        await _Limited(self.app, limit)(scope, receive, send)
+
+
+class _Limited:
+    """One request under one limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = None
         for name, value in scope.get("headers", []):
             if name == b"content-length":

@@ -65,6 +65,19 @@ class Settings(BaseSettings):
         32, ge=1, le=4096, description="Ranks exported per job on /metrics: the slowest ones of the latest step."
     )
 
+    packages_dir: Path | None = Field(
+        None, description="Where uploaded code packages are stored (content-addressed zips); default <home>/packages."
+    )
+    max_package_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest code package (zip) accepted.")
+    max_package_unzipped_bytes: int = Field(
+        256 * 1024 * 1024, gt=0, description="Most bytes a code package may unpack to (zip bombs are refused)."
+    )
+    max_package_files: int = Field(10_000, gt=0, description="Most entries a code package may hold.")
+
+    def resolved_packages_dir(self) -> Path:
+        """Where code packages live: :attr:`packages_dir`, else ``<home>/packages``."""
+        return (self.packages_dir or self.home / "packages").resolve()
+
     def resolved_database_url(self) -> str:
         """The database URL, defaulting to SQLite under :attr:`home`."""
         if self.database_url:

@@ -7,8 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request, status
 
 from controller import jobs as service
-from controller.api.deps import JobId, SessionDep
+from controller.api.deps import JobId, SessionDep, SettingsDep
 from controller.launcher import LaunchError
+from controller.packages import package_exists
 from controller.schemas import (
     INT32_MAX,
     JobCreate,
@@ -31,8 +32,14 @@ def _get(session: SessionDep, job_id: str):  # type: ignore[no-untyped-def]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-def submit_job(body: JobCreate, session: SessionDep, request: Request) -> JobPublic:
-    """Validate and store a job; the supervisor launches it on the cluster."""
+def submit_job(body: JobCreate, session: SessionDep, request: Request, settings: SettingsDep) -> JobPublic:
+    """Validate and store a job; the supervisor launches it on the cluster. A ``working_dir`` must name
+    a package uploaded before (422 otherwise, nothing stored)."""
+    if body.working_dir is not None and not package_exists(settings.resolved_packages_dir(), body.working_dir):
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[{
+            "type": "package_missing", "loc": ["body", "working_dir"],
+            "msg": f"no code package {body.working_dir} was uploaded (POST /api/v1/packages first, or use "
+                   "vigil submit --working-dir)"}])
     job = service.create_job(session, body)
     session.commit()
     request.app.state.supervisor.wake()
