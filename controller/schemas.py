@@ -359,6 +359,17 @@ class JobCreate(_Strict):
         return self
 
 
+class PackagePublic(BaseModel):
+    """A stored code package (``POST /api/v1/packages``); a job names it by ``ref`` in ``working_dir``."""
+
+    ref: str = Field(..., description="'sha256:<hex>': what a job spec's working_dir holds.")
+    sha256: str
+    size: int = Field(..., description="Bytes of the zip.")
+    files: int = Field(..., description="Files it holds.")
+    unzipped_bytes: int = Field(..., description="Bytes it unpacks to.")
+    created: bool = Field(False, description="Stored by this request (False: the same bytes were already stored).")
+
+
 class JobPublic(BaseModel):
     id: str
     name: str
