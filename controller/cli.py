@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import re
@@ -58,8 +59,9 @@ def parse_expiry(text: str, now: datetime | None = None) -> datetime:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
-def load_job_file(path: Path) -> JobCreate:
-    """Read and validate a job spec file (YAML or JSON); ``ValueError`` names the field and the rule."""
+def load_job_file(path: Path, overrides: dict[str, object] | None = None) -> JobCreate:
+    """Read and validate a job spec file (YAML or JSON), with ``overrides`` set over its top-level
+    fields (``working_dir`` from ``--working-dir``); ``ValueError`` names the field and the rule."""
     import yaml
     from pydantic import ValidationError
 
@@ -70,7 +72,7 @@ def load_job_file(path: Path) -> JobCreate:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a job spec must be a mapping, got {type(raw).__name__}")
     try:
-        return JobCreate.model_validate(raw)
+        return JobCreate.model_validate({**raw, **(overrides or {})})
     except ValidationError as exc:
         lines = [f"{'.'.join(map(str, e['loc'])) or '<spec>'}: {e['msg']}" for e in exc.errors()]
         raise ValueError(f"{path}: invalid job spec\n  " + "\n  ".join(lines)) from None
@@ -234,14 +236,10 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    try:
-        spec = load_job_file(Path(args.file))
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
     package = None
-    if args.working_dir:
-        from controller.packages import PackageError, pack_directory
+    overrides: dict[str, object] = {}
+    if args.working_dir:  # packed first: the spec names the package by its hash, and is checked with it
+        from controller.packages import REF_PREFIX, PackageError, pack_directory
 
         try:
             package = pack_directory(Path(args.working_dir), args.exclude or (),
@@ -249,13 +247,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except (PackageError, OSError) as exc:
             print(f"submit: {exc}", file=sys.stderr)
             return 2
+        overrides["working_dir"] = REF_PREFIX + hashlib.sha256(package).hexdigest()
+    try:
+        spec = load_job_file(Path(args.file), overrides)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     with _client(args) as client:
         try:
             if package is not None:
                 uploaded = client.upload_package(package)
                 print(f"uploaded {args.working_dir} as {uploaded.ref} ({uploaded.files} files, {uploaded.size} bytes)",
                       file=sys.stderr)
-                spec = spec.model_copy(update={"working_dir": uploaded.ref})
             job = client.submit_job(spec)
         except ApiError as exc:
             print(f"submit refused: {exc}", file=sys.stderr)

@@ -87,6 +87,10 @@ class RayJobLauncher:
             "RAY_TRAIN_V2_ENABLED": "1",
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
+            # Ray Train moves each rank into a per-run folder by default; the job's code package is the
+            # working directory of the ranks instead (a script entry point and the user's relative
+            # paths resolve there, as in the driver).
+            "RAY_CHDIR_TO_TRIAL_DIR": "0",
             **env,
         }
         runtime_env: dict[str, Any] = {"env_vars": env_vars}

@@ -67,6 +67,9 @@ def run_entrypoint(entry: Entrypoint, config: dict[str, Any]) -> None:
         return
     assert entry.script is not None
     script = str(Path(entry.script).resolve())
+    if not Path(script).is_file():
+        raise EntrypointError(f"entrypoint: script {entry.script!r} not found in this rank's working directory "
+                              f"{Path.cwd()}")
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [entry.script, *entry.args]
     sys.path.insert(0, str(Path(script).parent))

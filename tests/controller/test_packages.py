@@ -273,6 +273,7 @@ def test_ray_gets_the_stored_zip_and_the_pip_requirements(tmp_path: Path) -> Non
     assert env["working_dir"] == str(tmp_path / "pk" / f"{info.sha256}.zip")
     assert env["pip"] == ["tqdm==4.66.5"]
     assert env["env_vars"]["VIGIL_JOB_ID"] == "j1" and env["env_vars"]["VIGIL_TOKEN"] == "t"
+    assert env["env_vars"]["RAY_CHDIR_TO_TRIAL_DIR"] == "0"  # ranks run in the package, as the driver
     assert "working_dir" not in launcher.runtime_env("j2", JobCreate(name="demo"), {})
     missing = JobCreate(name="gone", entrypoint="python train.py", working_dir=f"sha256:{'b' * 64}")
     with pytest.raises(LaunchError, match="not stored"):
