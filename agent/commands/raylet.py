@@ -1,0 +1,100 @@
+"""Finding this node's raylet and the ``ray start`` process that owns it (:class:`RayletLocator`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+
+from agent.commands.errors import CommandError
+from agent.commands.pids import _gone, live_process
+
+_NODE_FLAGS = ("--node-name", "--node_name", "--node-id", "--node_id")
+
+
+def _names_node(cmdline: Sequence[str], node: str) -> bool:
+    for i, arg in enumerate(cmdline):
+        flag, eq, val = arg.partition("=")
+        if flag in _NODE_FLAGS and ((eq and val == node) or (not eq and cmdline[i + 1 : i + 2] == [node])):
+            return True
+    return False
+
+
+def _looks_like_ray_start(p: psutil.Process) -> bool:
+    """``[python] .../ray start ...``: the process ``ray start`` (``--block`` in ``vigil up``)."""
+    try:
+        argv = p.cmdline()
+    except psutil.Error:
+        return False
+    head = argv[:3]
+    return "start" in head and any(Path(a).name == "ray" for a in head[:2])
+
+
+def _named_raylet(p: psutil.Process) -> bool:
+    try:
+        return p.name() == "raylet"
+    except psutil.Error:
+        return False
+
+
+class RayletLocator:
+    """Finds this node's raylet and the ``ray start`` process that owns it.
+
+    The raylet is the process named ``raylet`` whose command line names this node
+    (``--node-name=<node>`` as Ray 2.x passes it, ``--node_name=``, or ``--node_id=<hex>`` for nodes
+    known by their Ray id); failing that, a configured ``raylet_pid`` that still names a raylet (a
+    pid can be reused). ``ray start`` is the configured ``ray_start_pid``, or the join command the
+    agent started, or the raylet's parent when that is a ``ray start`` process.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        raylet_pid: int | None = None,
+        ray_start_pid: int | None = None,
+        join_child: Callable[[], psutil.Process | None] = lambda: None,
+    ) -> None:
+        self.node = node
+        self.raylet_pid = raylet_pid
+        self.ray_start_pid = ray_start_pid
+        self._join_child = join_child
+
+    def raylets(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["name", "cmdline"]):
+            named = p.info["name"] == "raylet" and _names_node(p.info["cmdline"] or [], self.node)
+            if named and not _gone(p):
+                found.append(p)
+        if not found and self.raylet_pid is not None:
+            p = live_process(self.raylet_pid)
+            if p is not None and _named_raylet(p):
+                found.append(p)
+        return found
+
+    def raylet(self) -> psutil.Process | None:
+        """This node's raylet; CommandError when several processes claim to be it."""
+        found = self.raylets()
+        if len(found) > 1:
+            raise CommandError(
+                f"{len(found)} raylets name node {self.node!r} (pids {sorted(p.pid for p in found)}); "
+                "refusing to guess"
+            )
+        return found[0] if found else None
+
+    def ray_start(self, raylet: psutil.Process | None) -> psutil.Process | None:
+        if self.ray_start_pid is not None:
+            p = live_process(self.ray_start_pid)
+            if p is not None and _looks_like_ray_start(p):
+                return p
+        child = self._join_child()
+        if child is not None and not _gone(child):
+            return child
+        if raylet is not None:
+            try:
+                parent = raylet.parent()
+            except psutil.Error:
+                parent = None
+            if parent is not None and _looks_like_ray_start(parent):
+                return parent
+        return None

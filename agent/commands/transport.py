@@ -1,0 +1,32 @@
+"""The HTTP side of commands: the :class:`CommandTransport` seam the runner polls and answers
+through, and :class:`ClientCommandTransport`, the real one on :class:`~controller.client.VigilClient`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from controller.client import VigilClient
+from controller.schemas import CommandResult, NodeCommand
+
+
+class CommandTransport(Protocol):
+    """Fetches this node's pending commands and posts answers; raises on failure."""
+
+    def fetch(self) -> list[NodeCommand]: ...
+
+    def post_result(self, command_id: int, result: CommandResult) -> None: ...
+
+
+class ClientCommandTransport:
+    """The real transport: :meth:`VigilClient.node_commands` / :meth:`VigilClient.post_command_result`."""
+
+    def __init__(self, client: VigilClient, node_id: str) -> None:
+        self.client = client
+        self.node_id = node_id
+
+    def fetch(self) -> list[NodeCommand]:
+        return list(self.client.node_commands(self.node_id, status="PENDING").data)
+
+    def post_result(self, command_id: int, result: CommandResult) -> None:
+        self.client.post_command_result(self.node_id, command_id, result)
