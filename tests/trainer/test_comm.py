@@ -7,13 +7,19 @@ with stand-in events (no GPU here): records wait in ``_pending`` until ``drain``
 
 from __future__ import annotations
 
+import functools
+import subprocess
 import threading
+import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from controller.netns import unavailable_reason
 from tests.trainer.optim.harness import run_ranks
+from trainer.bench.netns_ranks import enter_namespace
 from trainer.comm import Comm, _PendingCuda
 
 TIMEOUT = 120
@@ -144,14 +150,32 @@ def _reduce_scatters(rank: int, world: int) -> tuple:
             b1 - b0, b2 - b1)
 
 
+@pytest.fixture
+def private_loopback() -> Iterator[str]:
+    """A network namespace of this test's own, its loopback up: byte counters no other process shares
+    (the machine's loopback carries everyone's traffic; a count on it failed while other work ran)."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"a private loopback needs a network namespace: {reason}")
+    name = f"vigil-lo-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, capture_output=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+
+
 @pytest.mark.timeout(TIMEOUT)
-def test_reduce_scatter_on_gloo_moves_a_ring_reduce_scatters_bytes() -> None:
+def test_reduce_scatter_on_gloo_moves_a_ring_reduce_scatters_bytes(private_loopback: str) -> None:
     """gloo's own reduce-scatter is an all-reduce (2 (n-1)/n of the input leaves each rank); the layer's
-    moves (n-1)/n, what it reports as wire bytes, with the exact sum in rank order."""
+    moves (n-1)/n, what it reports as wire bytes, with the exact sum in rank order. Counted on the
+    loopback of a namespace only these ranks use."""
     world, payload = 4, 4 * 250_000 * 4
-    per_rank = run_ranks(world, _reduce_scatters, timeout=TIMEOUT)
+    setup = functools.partial(enter_namespace, [private_loopback] * world, iface="lo")
+    per_rank = run_ranks(world, _reduce_scatters, timeout=TIMEOUT, setup=setup)
     for exact, close, avg_exact, _, _ in per_rank:
         assert exact and close and avg_exact
-    ours, gloo = per_rank[0][3], per_rank[0][4]  # lo counts every rank's traffic (plus barriers)
+    ours, gloo = per_rank[0][3], per_rank[0][4]  # this lo counts every rank's traffic (plus barriers), no one else's
     assert ours == pytest.approx(world * (world - 1) / world * payload, rel=0.05)
     assert gloo == pytest.approx(2 * ours, rel=0.05)
