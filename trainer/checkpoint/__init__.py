@@ -1,0 +1,49 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): a manifest, validity, fallback, retention, resharding.
+
+The package, by concern:
+
+* :mod:`~trainer.checkpoint.naming`: the ``step-XXXXXXXX`` folder names and the manifest's file
+  name (torch-free);
+* :mod:`~trainer.checkpoint.format`: the on-disk format (manifest, checksums, validity, pointers),
+  where a job's checkpoints live, retention and the choice of the newest valid checkpoint;
+* :mod:`~trainer.checkpoint.state`: the named state of a rank (``state_of``, ``check_state``), its
+  layout (replicated, local, sharded) and its flattening to DCP keys;
+* :mod:`~trainer.checkpoint.reshard`: save and restore one folder, restoring on any world size;
+* :mod:`~trainer.checkpoint.checkpointer`: the train loop's :class:`Checkpointer` (async saves,
+  agreement across ranks on finite state, fallback past invalid checkpoints, reports).
+
+This module re-exports what the rest of Vigil uses.
+"""
+
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.format import (
+    POINTER_FILE,
+    InvalidCheckpoint,
+    choose,
+    job_root,
+    prune,
+    resolve,
+    verify,
+    write_pointer,
+)
+from trainer.checkpoint.naming import MANIFEST_FILE, list_step_dirs, step_dir
+from trainer.checkpoint.reshard import restore, save
+from trainer.checkpoint.state import state_of
+
+__all__ = [
+    "MANIFEST_FILE",
+    "POINTER_FILE",
+    "Checkpointer",
+    "InvalidCheckpoint",
+    "choose",
+    "job_root",
+    "list_step_dirs",
+    "prune",
+    "resolve",
+    "restore",
+    "save",
+    "state_of",
+    "step_dir",
+    "verify",
+    "write_pointer",
+]
