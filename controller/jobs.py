@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.models import Event, Job
-from controller.schemas import JobCreate, JobPublic, JobStatus
+from controller.schemas import STORED, JobCreate, JobPublic, JobStatus
 from controller.tokens import revoke_job_tokens
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ def active_jobs(session: Session) -> list[Job]:
 
 def to_public(job: Job) -> JobPublic:
     return JobPublic(
-        id=job.id, name=job.name, status=JobStatus(job.status), spec=JobCreate.model_validate(job.spec),
+        id=job.id, name=job.name, status=JobStatus(job.status),
+        spec=JobCreate.model_validate(job.spec, context={STORED: True}),
         ray_job_id=job.ray_job_id, message=job.message, created_at=job.created_at, started_at=job.started_at,
         finished_at=job.finished_at, last_step=job.last_step, last_loss=job.last_loss,
     )

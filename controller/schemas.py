@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -24,9 +24,12 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+
+from controller.optimizer_params import OptimizerParams, parse_optimizer_params
 
 NAME_MAX = 128
 TEXT_MAX = 4096
@@ -176,6 +179,11 @@ class DataSpec(_Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for sampling batches and initialising the model.")
 
 
+_P = TypeVar("_P", bound=OptimizerParams)
+STORED = "stored"
+"""Validation-context key: ``{STORED: True}`` reads a spec back from the database, where a row stored before
+``optimizer.params`` was checked must still list (the check runs at submission)."""
+
 Params = dict[
     Annotated[str, StringConstraints(min_length=1, max_length=64), AfterValidator(_no_control)],
     Annotated[float, Field(allow_inf_nan=False)]
@@ -198,7 +206,8 @@ class OptimizerSpec(_Strict):
     params: Params = Field(
         default_factory=dict, max_length=64,
         description="Method-specific parameters (tau, gamma, rank, compressor, ...): at most 64, names of at "
-        "most 64 characters, text values of at most 256, numbers finite.",
+        "most 64 characters, text values of at most 256, numbers finite; each kind accepts the names, types "
+        "and ranges of its class in controller/optimizer_params.py (unknown names are refused).",
     )
 
     @model_validator(mode="after")
@@ -207,6 +216,22 @@ class OptimizerSpec(_Strict):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"betas must each be in [0, 1), got {self.betas}")
         return self
+
+    @model_validator(mode="after")
+    def _params_fit_kind(self, info: ValidationInfo) -> OptimizerSpec:
+        # Raises ValueError "optimizer.params.<field> (<kind>): <rule>": a 422 at submission, not a
+        # failure on the ranks later. The parse is cheap; typed_params() repeats it.
+        if not (info.context or {}).get(STORED):
+            parse_optimizer_params(self.kind, self.params)
+        return self
+
+    def typed_params(self, expect: type[_P] = OptimizerParams) -> _P:  # type: ignore[assignment]
+        """``params`` parsed into the kind's dataclass (``controller.optimizer_params.PARAMS_BY_KIND``),
+        defaults filled in. ``expect``: the class the caller works with; ``TypeError`` if the kind's is another."""
+        typed = parse_optimizer_params(self.kind, self.params)
+        if not isinstance(typed, expect):
+            raise TypeError(f"optimizer.kind {self.kind!r} takes {type(typed).__name__}, not {expect.__name__}")
+        return typed
 
 
 class ScalingSpec(_Strict):

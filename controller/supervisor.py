@@ -16,7 +16,7 @@ from controller.db import session_scope
 from controller.jobs import active_jobs, record_event, transition
 from controller.launcher import JobLauncher, LaunchError
 from controller.models import Job
-from controller.schemas import JobCreate, JobStatus, Role, TokenCreate
+from controller.schemas import STORED, JobCreate, JobStatus, Role, TokenCreate
 from controller.tokens import create_token, revoke_job_tokens
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Supervisor:
     def _advance(self, session: Session, job: Job) -> None:
         assert self.launcher is not None
         if job.ray_job_id is None:
-            spec = JobCreate.model_validate(job.spec)
+            spec = JobCreate.model_validate(job.spec, context={STORED: True})
             # The driver's own token: it may read its job (and, later, post its job's records) and
             # nothing else; transition() revokes it when the job ends.
             issued = create_token(session, TokenCreate(role=Role.JOB, job_id=job.id, name=f"driver of {job.id}"))

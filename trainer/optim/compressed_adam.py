@@ -67,17 +67,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from controller.optimizer_params import CompressedAdamParams
 from controller.schemas import OptimizerSpec
 from trainer.comm import Comm
 from trainer.optim.base import Shard, StateLayout, Strategy, clip_grad
 from trainer.optim.flat import FlatParams, broadcast_module, trainable
-from trainer.optim.params import check, parse_params
 
 KEY_OPTIMIZER = "optimizer"
 KEY_STEPS = "steps"
@@ -94,28 +93,6 @@ def _bytes_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not t.is_contiguous() or t.storage_offset() % size or any(st % size for st in t.stride()[:-1]):
         t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     return t.view(dtype)
-
-
-@dataclass(frozen=True)
-class CompressedAdamParams:
-    """``optimizer.params`` of ``compressed_adam``."""
-
-    compressor: str = "onebit"
-    """``onebit``, ``randk`` or ``topk``."""
-    ratio: float = 0.01
-    """k / d for randk and topk (per partition; at least one value)."""
-    chunk: int = 0
-    """onebit: elements per fp32 scale, a multiple of 8 (0: one scale per tensor piece of each owner partition)."""
-    error_feedback: bool = True
-    """Keep the worker and owner compression errors (False: the no-feedback ablation)."""
-    seed: int = 0
-    """Shared seed of the randk positions."""
-
-    def __post_init__(self) -> None:
-        check(self.compressor in ("onebit", "randk", "topk"),
-              f"compressor must be onebit, randk or topk, got {self.compressor!r}")
-        check(0.0 < self.ratio <= 1.0, f"ratio must be in (0, 1], got {self.ratio}")
-        check(self.chunk >= 0 and self.chunk % 8 == 0, f"chunk must be 0 or a multiple of 8, got {self.chunk}")
 
 
 class Compressor:
@@ -217,7 +194,7 @@ class CompressedAdamW(Strategy):
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
         super().__init__(model, comm)
         self.spec = spec
-        self.config = cfg = parse_params(CompressedAdamParams, spec.params, kind=spec.kind)
+        self.config = cfg = spec.typed_params(CompressedAdamParams)
         broadcast_module(model, comm)
         self.params = trainable(model)
         n = max(1, comm.world_size)

@@ -37,17 +37,16 @@ Use in your own loop::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from controller.optimizer_params import CSERParams, EFSGDParams, QSparseParams
 from controller.schemas import OptimizerSpec
 from trainer.comm import Comm
 from trainer.optim.base import StateLayout, Strategy, clip_grad
 from trainer.optim.flat import FlatParams, broadcast_module, module_with, trainable
-from trainer.optim.params import check, parse_params
 
 KEY_STEPS = "steps"
 KEY_MOMENTUM = "momentum_buffer"
@@ -158,49 +157,17 @@ class _MomentumSGD(Strategy):
         return self._eval_cache
 
 
-def _check_ratio(name: str, value: float) -> None:
-    check(value == 0 or value >= 1, f"{name} must be 0 (nothing sent) or >= 1 (1 = identity), got {value}")
-
-
 # --------------------------------------------------------------------------------------------------
 # CSER
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CSERParams:
-    """``optimizer.params`` of ``cser`` / ``cser_pl`` (overall ratio R = rc1/2 when H = rc1/rc2)."""
-
-    rc1: float = 32.0
-    """Ratio of C1, the per-step partial sync of the update (1 = identity, 0 = nothing; cser_pl: 0)."""
-    rc2: float = 4.0
-    """Ratio of C2, the error reset (1 = identity, 0 = nothing)."""
-    H: int = 8
-    """Steps between error resets."""
-    momentum: float = 0.9
-    """Momentum of the local SGD."""
-    nesterov: bool = True
-    """Nesterov momentum (the paper's choice)."""
-    seed: int = 0
-    """Shared seed of the block positions (identical on all ranks)."""
-
-    def __post_init__(self) -> None:
-        _check_ratio("rc1", self.rc1)
-        _check_ratio("rc2", self.rc2)
-        check(self.H >= 1, f"H must be >= 1, got {self.H}")
-        check(0.0 <= self.momentum < 1.0, f"momentum must be in [0, 1), got {self.momentum}")
 
 
 class CSER(_MomentumSGD):
     """Partial synchronisation of every update through C1, error reset through C2 every H steps."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        params = dict(spec.params)
-        if spec.kind == "cser_pl":
-            if params.get("rc1", 0) != 0:
-                raise ValueError("optimizer.params.rc1: cser_pl is CSER with C1 = 0; leave rc1 out")
-            params["rc1"] = 0
-        self.config = cfg = parse_params(CSERParams, params, kind=spec.kind)
+        # cser_pl pins rc1 = 0 (controller.optimizer_params.KIND_FIXED): the parsed params say so.
+        self.config = cfg = spec.typed_params(CSERParams)
         super().__init__(model, comm, spec, cfg.momentum, cfg.nesterov)
         device = self.flat.buffer.device
         self.c1 = GRBS(self.flat.sizes, cfg.rc1, cfg.seed, device)
@@ -268,29 +235,11 @@ class CSER(_MomentumSGD):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class EFSGDParams:
-    """``optimizer.params`` of ``ef_sgd``: 32/ratio b/p/step."""
-
-    ratio: float = 16.0
-    """GRBS ratio of the compressed update (1 = identity: synchronous SGD)."""
-    momentum: float = 0.9
-    """Momentum of the local SGD (applied before compression)."""
-    nesterov: bool = True
-    """Nesterov momentum."""
-    seed: int = 0
-    """Shared seed of the block positions."""
-
-    def __post_init__(self) -> None:
-        check(self.ratio >= 1, f"ratio must be >= 1, got {self.ratio}")
-        check(0.0 <= self.momentum < 1.0, f"momentum must be in [0, 1), got {self.momentum}")
-
-
 class EFSGD(_MomentumSGD):
     """Error feedback: p_i = d_i + e_i; x -= mean_i C(p_i); e_i = p_i - C(p_i). Models stay identical."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        self.config = cfg = parse_params(EFSGDParams, spec.params, kind=spec.kind)
+        self.config = cfg = spec.typed_params(EFSGDParams)
         super().__init__(model, comm, spec, cfg.momentum, cfg.nesterov)
         self.compressor = GRBS(self.flat.sizes, cfg.ratio, cfg.seed, self.flat.buffer.device)
         self.error = torch.zeros_like(self.flat.data)
@@ -326,32 +275,11 @@ class EFSGD(_MomentumSGD):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class QSparseParams:
-    """``optimizer.params`` of ``qsparse_local_sgd``: 32/(H ratio) b/p/step."""
-
-    ratio: float = 2.0
-    """GRBS ratio of the synchronised progress (1 = identity: local SGD with period H)."""
-    H: int = 8
-    """Local steps between synchronisations."""
-    momentum: float = 0.9
-    """Momentum of the local SGD (buffers stay local)."""
-    nesterov: bool = True
-    """Nesterov momentum."""
-    seed: int = 0
-    """Shared seed of the block positions."""
-
-    def __post_init__(self) -> None:
-        check(self.ratio >= 1, f"ratio must be >= 1, got {self.ratio}")
-        check(self.H >= 1, f"H must be >= 1, got {self.H}")
-        check(0.0 <= self.momentum < 1.0, f"momentum must be in [0, 1), got {self.momentum}")
-
-
 class QSparseLocalSGD(_MomentumSGD):
     """H local steps; then g_i = x_hat - x_i + e_i, x_hat -= mean_i C(g_i), e_i = g_i - C(g_i), x_i = x_hat."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        self.config = cfg = parse_params(QSparseParams, spec.params, kind=spec.kind)
+        self.config = cfg = spec.typed_params(QSparseParams)
         super().__init__(model, comm, spec, cfg.momentum, cfg.nesterov)
         self.compressor = GRBS(self.flat.sizes, cfg.ratio, cfg.seed, self.flat.buffer.device)
         self.x_hat = self.flat.data.clone()  # the last synchronised model

@@ -36,59 +36,28 @@ Use in your own loop::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from controller.optimizer_params import DSMParams
 from controller.schemas import OptimizerSpec
 from trainer.comm import Comm
 from trainer.optim.base import StateLayout
 from trainer.optim.local import _OuterStateMixin
-from trainer.optim.params import check, parse_params
 
 KEY_SIGN_RNG = "sign_rng"
 
 SignFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class DSMParams:
-    """``optimizer.params`` of ``dsm`` (defaults: the reference GPT-2 runs)."""
-
-    tau: int = 12
-    """Local steps between global steps."""
-    gamma: float = 1.0
-    """Global step size, in units of the local learning rate."""
-    beta1: float = 0.95
-    """Interpolation of the sign argument c = beta1*m + (1-beta1)*d."""
-    beta2: float = 0.98
-    """Decay of the global momentum m."""
-    global_wd: float = 0.1
-    """Decoupled weight decay of the global step (the reference script's default is 0.2)."""
-    sign: str = "sign"
-    """``sign`` (deterministic) or ``randomized`` (stochastic, E[s] = c / max|c|)."""
-    sharded: bool = True
-    """Global state sharded 1/N (reduce-scatter + all-gather) instead of replicated (all-reduce)."""
-    seed: int = 0
-    """Seed of the randomized sign."""
-
-    def __post_init__(self) -> None:
-        check(self.tau >= 1, f"tau must be >= 1, got {self.tau}")
-        check(self.gamma > 0, f"gamma must be > 0, got {self.gamma}")
-        check(0.0 <= self.beta1 < 1.0, f"beta1 must be in [0, 1), got {self.beta1}")
-        check(0.0 <= self.beta2 < 1.0, f"beta2 must be in [0, 1), got {self.beta2}")
-        check(self.global_wd >= 0, f"global_wd must be >= 0, got {self.global_wd}")
-        check(self.sign in ("sign", "randomized"), f"sign must be 'sign' or 'randomized', got {self.sign!r}")
-
-
 class DSMLS(_OuterStateMixin):
     """Local AdamW every step; a sign-momentum global step on the averaged model every ``tau`` steps."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec, *, sign_fn: SignFn | None = None) -> None:
-        self.config = parse_params(DSMParams, spec.params, kind=spec.kind)
+        self.config = spec.typed_params(DSMParams)
         super().__init__(model, comm, spec, tau=self.config.tau, sharded=self.config.sharded)
         # Sharded: each owner draws for its own shard; replicated: every rank draws the same numbers.
         seed = self.config.seed + (comm.rank if self.config.sharded else 0)

@@ -43,7 +43,6 @@ import math
 import time
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,11 +52,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from controller.optimizer_params import HalfCompressParams, PowerSGDParams
 from controller.schemas import OptimizerSpec
 from trainer.comm import Comm
 from trainer.optim.base import StateLayout, Strategy, clip_grad
 from trainer.optim.flat import broadcast_module, trainable
-from trainer.optim.params import check, parse_params
 
 log = logging.getLogger(__name__)
 
@@ -221,41 +220,11 @@ class _DDPHookStrategy(Strategy):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PowerSGDParams:
-    """``optimizer.params`` of ``powersgd`` (names of ``PowerSGDState`` in brackets)."""
-
-    rank: int = 1
-    """Rank of the P Q^T approximation (``matrix_approximation_rank``)."""
-    start_iter: int = 10
-    """Vanilla fp32 all-reduce for this many steps first (``start_powerSGD_iter``; >= 2 with error
-    feedback or warm start, because DDP rebuilds its buckets after the first step)."""
-    min_compression_rate: float = 2.0
-    """Compress a matrix only if (n + m) r x this < n m (``min_compression_rate``)."""
-    error_feedback: bool = True
-    """Keep the local compression error and add it next step (``use_error_feedback``)."""
-    warm_start: bool = True
-    """Reuse last step's Q as the start of the power iteration (``warm_start``)."""
-    seed: int = 0
-    """Seed of the random initial Q, identical on all ranks (``random_seed``)."""
-    bucket_cap_mb: float = 25.0
-    """DDP bucket size."""
-
-    def __post_init__(self) -> None:
-        check(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
-        check(
-            self.start_iter >= 2 or not (self.error_feedback or self.warm_start),
-            f"start_iter must be >= 2 with error_feedback or warm_start, got {self.start_iter}",
-        )
-        check(self.min_compression_rate > 0, f"min_compression_rate must be > 0, got {self.min_compression_rate}")
-        check(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-
-
 class PowerSGD(_DDPHookStrategy):
     """DDP + ``powerSGD_hook`` + AdamW."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        self.config = cfg = parse_params(PowerSGDParams, spec.params, kind=spec.kind)
+        self.config = cfg = spec.typed_params(PowerSGDParams)
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=cfg.rank,
@@ -373,17 +342,6 @@ class PowerSGD(_DDPHookStrategy):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class HalfCompressParams:
-    """``optimizer.params`` of ``fp16_compress``."""
-
-    bucket_cap_mb: float = 25.0
-    """DDP bucket size."""
-
-    def __post_init__(self) -> None:
-        check(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-
-
 def half_hook_for_backend(backend: str | None) -> Hook:
     """``bf16_compress_hook`` on NCCL, ``fp16_compress_hook`` elsewhere (gloo/CPU)."""
     return default_hooks.bf16_compress_hook if backend == "nccl" else default_hooks.fp16_compress_hook
@@ -393,7 +351,7 @@ class HalfCompress(_DDPHookStrategy):
     """DDP + half-precision gradient all-reduce (16 b/p/step) + AdamW."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        self.config = parse_params(HalfCompressParams, spec.params, kind=spec.kind)
+        self.config = spec.typed_params(HalfCompressParams)
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
         self.hook = half_hook_for_backend(backend)
         super().__init__(model, comm, spec, self.hook, None, self.config.bucket_cap_mb)

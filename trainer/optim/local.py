@@ -29,17 +29,16 @@ Use in your own loop::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from controller.optimizer_params import LocalAdamWParams, SlowMoParams
 from controller.schemas import OptimizerSpec
 from trainer.comm import Comm
 from trainer.optim.base import Shard, StateLayout, StatePath, Strategy, clip_grad
 from trainer.optim.flat import FlatParams, broadcast_module, module_with, trainable
-from trainer.optim.params import check, parse_params
 
 log = logging.getLogger(__name__)
 
@@ -226,24 +225,11 @@ class _OuterStateMixin(PeriodicAveraging):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LocalAdamWParams:
-    """``optimizer.params`` of ``local_adamw``."""
-
-    tau: int = 12
-    """Local steps between model averages."""
-    sharded: bool = False
-    """Average by reduce-scatter + all-gather instead of one all-reduce (same wire bytes)."""
-
-    def __post_init__(self) -> None:
-        check(self.tau >= 1, f"tau must be >= 1, got {self.tau}")
-
-
 class LocalAdamW(PeriodicAveraging):
     """Local AdamW with the models averaged every ``tau`` steps (32/tau b/p/step with one all-reduce)."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        self.config = parse_params(LocalAdamWParams, spec.params, kind=spec.kind)
+        self.config = spec.typed_params(LocalAdamWParams)
         super().__init__(model, comm, spec, tau=self.config.tau, sharded=self.config.sharded)
 
 
@@ -252,30 +238,11 @@ class LocalAdamW(PeriodicAveraging):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SlowMoParams:
-    """``optimizer.params`` of ``slowmo`` (defaults: fairscale's slowmo_lr=1, slowmo_momentum=0.5)."""
-
-    tau: int = 12
-    """Local steps between synchronisations (``slowmo_frequency``)."""
-    alpha: float = 1.0
-    """Slow learning rate (``slowmo_lr``)."""
-    beta: float = 0.5
-    """Slow momentum (``slowmo_momentum``)."""
-    sharded: bool = True
-    """Outer state sharded 1/N (reduce-scatter + all-gather) instead of replicated (all-reduce)."""
-
-    def __post_init__(self) -> None:
-        check(self.tau >= 1, f"tau must be >= 1, got {self.tau}")
-        check(self.alpha > 0, f"alpha must be > 0, got {self.alpha}")
-        check(0.0 <= self.beta < 1.0, f"beta must be in [0, 1), got {self.beta}")
-
-
 class SlowMo(_OuterStateMixin):
     """Local AdamW + slow momentum on the averaged model every ``tau`` steps."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        self.config = parse_params(SlowMoParams, spec.params, kind=spec.kind)
+        self.config = spec.typed_params(SlowMoParams)
         super().__init__(model, comm, spec, tau=self.config.tau, sharded=self.config.sharded)
 
     def outer(self, x_avg: torch.Tensor, lr: float) -> torch.Tensor:

@@ -36,7 +36,8 @@ sdp4bit_tlq_hs      fp32      tlq_hs
 sdp4bit_ulq         fp32      ulq
 ==================  ========  ========
 
-``spec.params`` (validated here, unknown keys refused): ``weight_group`` (2048), ``grad_group``
+``spec.params`` (``controller.optimizer_params.SDP4BitParams``, validated with the job spec, unknown
+keys refused): ``weight_group`` (2048), ``grad_group``
 (128), ``hadamard_order`` (32), ``ranks_per_node`` (override the discovered topology, for tests and
 benchmarks on one machine), ``seed`` (0; the stochastic-rounding streams), ``weights`` /
 ``grads`` (override the kind's choice, e.g. ``weights="fp32", grads="fp32"`` is the uncompressed
@@ -52,28 +53,20 @@ inter, 4 + 32/2048 = 4.016 weights (32 for fp32). The padding is counted as elem
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from controller.optimizer_params import GRAD_MODES, SDP4BIT_VARIANTS, WEIGHT_MODES, SDP4BitParams
 from controller.schemas import OptimizerSpec
 from trainer import quant
 from trainer.comm import Comm
 from trainer.optim.base import Shard, StateLayout, Strategy
 from trainer.topology import Topology, discover, layout
 
-WEIGHT_MODES = ("fp32", "qw", "qwd")
-GRAD_MODES = ("fp32", "tlq", "tlq_hs", "ulq")
-VARIANTS: dict[str, tuple[str, str]] = {
-    "sdp4bit": ("qwd", "tlq_hs"),
-    "sdp4bit_qw": ("qw", "fp32"),
-    "sdp4bit_qwd": ("qwd", "fp32"),
-    "sdp4bit_tlq": ("fp32", "tlq"),
-    "sdp4bit_tlq_hs": ("fp32", "tlq_hs"),
-    "sdp4bit_ulq": ("fp32", "ulq"),
-}
+VARIANTS = SDP4BIT_VARIANTS
+"""kind -> (weights, grads) of SDP4Bit and its ablations (``controller.optimizer_params``)."""
 WEIGHT_BITS = 4
 GRAD_BITS_INTER = 4
 
@@ -91,82 +84,13 @@ KEY_SEED = "seed"
 KEY_LAYOUT = "layout"
 
 
-@dataclass(frozen=True)
-class SDP4BitConfig:
-    """The method's parameters, validated once from ``OptimizerSpec``."""
-
-    weights: str = "qwd"
-    """Weight all-gather: ``fp32`` | ``qw`` (quantized weights) | ``qwd`` (quantized weight differences)."""
-    grads: str = "tlq_hs"
-    """Gradient reduce-scatter: ``fp32`` | ``tlq`` | ``tlq_hs`` (with Hadamard) | ``ulq`` (4-bit both hops)."""
-    weight_group: int = 2048
-    """Elements per quantization group of the weights (one fp32 scale each)."""
-    grad_group: int = 128
-    """Elements per quantization group of the gradients, both hops."""
-    hadamard_order: int = 32
-    """Block size of the Hadamard transform (a power of two dividing ``grad_group``)."""
-    ranks_per_node: int | None = None
-    """Pretend ``ranks_per_node`` consecutive ranks share a node (None: discover the real placement)."""
-    seed: int = 0
-    """Seed of the stochastic-rounding noise streams."""
-    compile: bool = False
-    """Use ``torch.compile``-fused quantization kernels (falls back to eager if compiling fails)."""
-
-    _KNOWN = ("weights", "grads", "weight_group", "grad_group", "hadamard_order", "ranks_per_node", "seed", "compile")
-
-    @classmethod
-    def from_spec(cls, spec: OptimizerSpec) -> SDP4BitConfig:
-        if spec.kind not in VARIANTS:
-            raise ValueError(f"optimizer.kind {spec.kind!r} is not an SDP4Bit variant ({sorted(VARIANTS)})")
-        unknown = sorted(set(spec.params) - set(cls._KNOWN))
-        if unknown:
-            raise ValueError(f"optimizer.params: unknown for {spec.kind}: {unknown}; known: {list(cls._KNOWN)}")
-        weights, grads = VARIANTS[spec.kind]
-        p = spec.params
-        rpn = p.get("ranks_per_node")
-        cfg = cls(
-            weights=str(p.get("weights", weights)),
-            grads=str(p.get("grads", grads)),
-            weight_group=_as_int(p, "weight_group", 2048),
-            grad_group=_as_int(p, "grad_group", 128),
-            hadamard_order=_as_int(p, "hadamard_order", 32),
-            ranks_per_node=None if rpn is None else _as_int(p, "ranks_per_node", 1),
-            seed=_as_int(p, "seed", 0),
-            compile=bool(p.get("compile", False)),
-        )
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"optimizer.params.weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
-        if self.grads not in GRAD_MODES:
-            raise ValueError(f"optimizer.params.grads must be one of {GRAD_MODES}, got {self.grads!r}")
-        for name in ("weight_group", "grad_group", "hadamard_order"):
-            v = getattr(self, name)
-            if v < 2 or v % 2:
-                raise ValueError(f"optimizer.params.{name} must be an even number >= 2, got {v}")
-        h = self.hadamard_order
-        if h & (h - 1) or self.grad_group % h:
-            raise ValueError(f"hadamard_order ({h}) must be a power of two dividing grad_group ({self.grad_group})")
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ValueError(f"optimizer.params.ranks_per_node must be >= 1, got {self.ranks_per_node}")
-
-
-def _as_int(params: dict[str, Any], key: str, default: int) -> int:
-    v = params.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
-        raise ValueError(f"optimizer.params.{key} must be an integer, got {v!r}")
-    return int(v)
-
-
 class SDP4Bit(Strategy):
     """ZeRO-1 AdamW with quantized weight (qW / qWD) and gradient (TLq / TLq-HS / ULq) communication."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
         super().__init__(model, comm)
         self.spec = spec
-        self.cfg = SDP4BitConfig.from_spec(spec)
+        self.cfg = spec.typed_params(SDP4BitParams)
         if self.cfg.compile:
             quant.set_compiled(True)
         self.topo: Topology = discover(self.cfg.ranks_per_node) if comm.world_size > 1 else layout(["local"], 0)
@@ -398,4 +322,4 @@ def _unpack_rows(buf: torch.Tensor, value_bytes_per_row: int) -> tuple[torch.Ten
     return values, scales
 
 
-__all__ = ["GRAD_MODES", "VARIANTS", "WEIGHT_MODES", "SDP4Bit", "SDP4BitConfig"]
+__all__ = ["GRAD_MODES", "VARIANTS", "WEIGHT_MODES", "SDP4Bit", "SDP4BitParams"]

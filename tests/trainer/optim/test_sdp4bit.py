@@ -24,7 +24,7 @@ from tests.trainer.optim.harness import run_ranks
 from trainer import topology
 from trainer.comm import Comm
 from trainer.optim import build_strategy
-from trainer.optim.sdp4bit import VARIANTS, SDP4Bit, SDP4BitConfig
+from trainer.optim.sdp4bit import VARIANTS, SDP4Bit, SDP4BitParams
 
 WORLD = 4
 TIMEOUT_S = 150.0
@@ -331,12 +331,14 @@ def test_single_rank_runs_without_a_process_group() -> None:
 
 
 def test_config_validation() -> None:
-    cfg = SDP4BitConfig.from_spec(OptimizerSpec(kind="sdp4bit_ulq", params={"seed": 3}))
+    cfg = OptimizerSpec(kind="sdp4bit_ulq", params={"seed": 3}).typed_params(SDP4BitParams)
     assert (cfg.weights, cfg.grads, cfg.seed, cfg.weight_group, cfg.grad_group) == ("fp32", "ulq", 3, 2048, 128)
-    for params in ({"bogus": 1}, {"grads": "tlq_x"}, {"hadamard_order": 24}, {"grad_group": 48},
-                   {"weight_group": 2.5}, {"ranks_per_node": 0}):
-        with pytest.raises(ValueError):
-            SDP4BitConfig.from_spec(OptimizerSpec(kind="sdp4bit", params=params))
+    refused = (({"bogus": 1}, "bogus"), ({"grads": "tlq_x"}, "grads"), ({"hadamard_order": 24}, "hadamard_order"),
+               ({"grad_group": 48}, "hadamard_order"), ({"weight_group": 2.5}, "weight_group"),
+               ({"ranks_per_node": 0}, "ranks_per_node"))
+    for params, field in refused:
+        with pytest.raises(ValueError, match=rf"optimizer\.params\.{field} \(sdp4bit\): "):
+            OptimizerSpec(kind="sdp4bit", params=params)
 
 
 def test_layout_of_interleaved_nodes() -> None:
