@@ -1,9 +1,10 @@
-"""Checkpoint folder naming: the ``step-XXXXXXXX`` folders under a root and the manifest's file name.
+"""Where checkpoints live on disk: a job's checkpoint root, the ``step-XXXXXXXX`` folders under it and
+the manifest's file name. Part of the contract: the trainer writes this layout, the agent (corrupting
+the newest checkpoint on request) and the recovery bench find checkpoints by it.
 
-Torch-free (standard library only), so that whatever has to find checkpoints on disk without the
-trainer (the agent, later) can share it. A folder ``<root>/step-00000120`` holds the checkpoint taken
-after step 120; it is complete once its :data:`MANIFEST_FILE` exists (see
-:mod:`trainer.checkpoint.format` for what the manifest holds and how a folder is verified).
+``<storage>/<slug(job id)>/checkpoints/step-00000120`` holds the checkpoint taken after step 120; it
+is complete once its :data:`MANIFEST_FILE` exists (:mod:`trainer.checkpoint.format` says what the
+manifest holds and how a folder is verified). Standard library and the schemas only.
 """
 
 from __future__ import annotations
@@ -11,9 +12,23 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from controller.schemas import slugify
+
 MANIFEST_FILE = "manifest.json"
 STEP_DIR_PREFIX = "step-"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def job_checkpoint_root(storage_path: Path | str, job_id: str) -> Path:
+    """The checkpoint root of job ``job_id`` under the storage path: ``<storage>/<slug(job id)>/checkpoints``."""
+    return Path(storage_path) / slugify(job_id) / "checkpoints"
+
+
+def newest_complete(root: Path) -> tuple[int, Path] | None:
+    """``(step, folder)`` of the newest complete checkpoint under ``root`` (a ``step-*`` folder, not a
+    symbolic link, holding its manifest), else None."""
+    done = [(s, p) for s, p in list_step_dirs(root) if not p.is_symlink() and (p / MANIFEST_FILE).is_file()]
+    return done[-1] if done else None
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.commands.args import CorruptArgs, FaultFileArgs, _validate
 from agent.commands.errors import CommandError
+from controller.checkpoint_layout import MANIFEST_FILE, newest_complete
 from controller.schemas import CommandResult
 from controller.settings import fault_file_path
 
@@ -123,20 +124,15 @@ class FileKinds:
         )
 
     def _newest_complete(self, folder: Path) -> Path:
-        """The highest-numbered subfolder of ``folder`` (``step-00000030``: by its trailing number) that
-        holds a manifest, i.e. a checkpoint its writer finished."""
+        """The newest checkpoint under ``folder`` that its writer finished (the shared layout: a
+        ``step-XXXXXXXX`` folder holding its manifest)."""
         if not folder.is_dir():
             raise CommandError(f"newest_under: {folder} is not a folder")
-        found: list[tuple[int, str, Path]] = []
-        for sub in folder.iterdir():
-            # TODO(issue 12): shared checkpoint naming
-            digits = sub.name.rsplit("-", 1)[-1].rsplit("_", 1)[-1]
-            if not sub.is_symlink() and sub.is_dir() and digits.isdigit() and any(
-                    MANIFEST_MARKER in f.name.lower() for f in sub.iterdir() if f.is_file()):
-                found.append((int(digits), sub.name, sub))
-        if not found:
-            raise CommandError(f"newest_under: no complete checkpoint (a numbered folder with a manifest) in {folder}")
-        return self._inside_storage(str(max(found)[2]))
+        newest = newest_complete(folder)
+        if newest is None:
+            raise CommandError(f"newest_under: no complete checkpoint (a step-* folder with its {MANIFEST_FILE}) "
+                               f"in {folder}")
+        return self._inside_storage(str(newest[1]))
 
     @staticmethod
     def _corrupt_one(path: Path, root: Path) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from controller.checkpoint_layout import job_checkpoint_root, newest_complete
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.schemas import JobCreate
@@ -251,13 +252,11 @@ class Runner:
             return before if self.client.get_job(job.id).last_step == before else None
 
         frozen_step = _wait(frozen, 60, 0)
-        root = self.cluster.home / "storage" / job.id / "checkpoints"
-        done = [d for d in root.iterdir() if (d / "manifest.json").exists()] if root.exists() else []
-        if frozen_step is None or not done:
+        found = newest_complete(job_checkpoint_root(self.cluster.home / "storage", job.id))
+        if frozen_step is None or found is None:
             out["error"] = "the job did not freeze, or has no complete checkpoint"
             return out
-        newest_dir = max(done, key=lambda d: d.name)
-        newest = int(newest_dir.name.split("-")[1])
+        newest, newest_dir = found
         self.post(f"/jobs/{job.id}/faults", {"kind": "corrupt_checkpoint", "step": 0})
         def corrupted() -> bool:
             return any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp"))

@@ -2,7 +2,7 @@
 
 The package, by concern:
 
-* :mod:`~trainer.checkpoint.naming`: the ``step-XXXXXXXX`` folder names and the manifest's file
+* :mod:`~controller.checkpoint_layout` (shared with the agent): the ``step-XXXXXXXX`` folder names and the manifest's file
   name (torch-free);
 * :mod:`~trainer.checkpoint.format`: the on-disk format (manifest, checksums, validity, pointers),
   where a job's checkpoints live, retention and the choice of the newest valid checkpoint;
@@ -15,6 +15,7 @@ The package, by concern:
 This module re-exports what the rest of Vigil uses.
 """
 
+from controller.checkpoint_layout import MANIFEST_FILE, list_step_dirs, step_dir
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.format import (
     POINTER_FILE,
@@ -26,7 +27,6 @@ from trainer.checkpoint.format import (
     verify,
     write_pointer,
 )
-from trainer.checkpoint.naming import MANIFEST_FILE, list_step_dirs, step_dir
 from trainer.checkpoint.reshard import restore, save
 from trainer.checkpoint.state import state_of
 

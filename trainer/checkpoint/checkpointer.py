@@ -36,9 +36,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
+from controller.checkpoint_layout import list_step_dirs, step_dir
 from controller.schemas import CheckpointSample
 from trainer.checkpoint.format import Manifest, choose, prune, remove_dir, write_manifest
-from trainer.checkpoint.naming import list_step_dirs, step_dir
 from trainer.checkpoint.reshard import restore  # also silences DCP's single-process warning
 from trainer.checkpoint.state import Stateful, _save_state, check_state
 

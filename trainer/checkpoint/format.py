@@ -1,6 +1,6 @@
 """The on-disk format of a checkpoint folder: manifest, checksums, validity, pointers, retention, choice.
 
-On disk, one folder per checkpoint under a root (folder names: :mod:`trainer.checkpoint.naming`)::
+On disk, one folder per checkpoint under a root (folder names: :mod:`controller.checkpoint_layout`)::
 
     <root>/step-00000120/
         __0_0.distcp, __1_0.distcp, ...   DCP's data files (one per rank)
@@ -46,8 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.schemas import slugify
-from trainer.checkpoint.naming import MANIFEST_FILE, list_step_dirs, step_of
+from controller.checkpoint_layout import MANIFEST_FILE, job_checkpoint_root, list_step_dirs, step_of
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +217,7 @@ def write_pointer(directory: Path, checkpoint_dir: Path) -> Path:
 
 def job_root(storage_path: Path | str, job_id: str) -> Path:
     """The checkpoint root of job ``job_id`` under the storage path: ``<storage>/<slug(job id)>/checkpoints``."""
-    return Path(storage_path) / slugify(job_id) / "checkpoints"
+    return job_checkpoint_root(storage_path, job_id)
 
 
 # --------------------------------------------------------------------------------------------------
