@@ -6,14 +6,20 @@ schemas, so every package may import it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
 from controller.schemas import (
+    CheckpointsPublic,
     CommandResult,
     EventsPublic,
+    FaultCreate,
+    FaultPublic,
+    FaultsPublic,
     Health,
+    IncidentPublic,
+    IncidentsPublic,
     JobCollectivesPublic,
     JobCreate,
     JobMetrics,
@@ -21,9 +27,12 @@ from controller.schemas import (
     JobsPublic,
     JobStepsPublic,
     LogsPublic,
+    NodeActionPublic,
     NodeCommandsPublic,
     NodesPublic,
     PackagePublic,
+    RecoverRequest,
+    StacksPublic,
     TelemetryAck,
     TelemetryBatch,
     TokenCreate,
@@ -60,7 +69,7 @@ class VigilClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> VigilClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -145,6 +154,55 @@ class VigilClient:
 
     def revoke_token(self, token_id: str) -> TokenPublic:
         return TokenPublic.model_validate(self._request("POST", f"{API}/tokens/{token_id}/revoke"))
+
+    # -- fault injection ------------------------------------------------------------------------
+    def inject_fault(self, job_id: str, spec: FaultCreate) -> FaultPublic:
+        """Cause ``spec.kind`` in a running job once it reaches ``spec.step`` (``POST /jobs/{id}/faults``)."""
+        return FaultPublic.model_validate(
+            self._request("POST", f"{API}/jobs/{job_id}/faults", json=spec.model_dump(mode="json")))
+
+    def list_faults(self, job_id: str) -> FaultsPublic:
+        """The job's faults, oldest first (``GET /jobs/{id}/faults``)."""
+        return FaultsPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/faults"))
+
+    def clear_fault(self, job_id: str, fault_id: int) -> FaultPublic:
+        """Undo a fault: a stopped rank continues, a throttle or a NIC fault ends (409 once cleared or failed)."""
+        return FaultPublic.model_validate(self._request("POST", f"{API}/jobs/{job_id}/faults/{fault_id}/clear"))
+
+    # -- incidents, checkpoints, stacks ---------------------------------------------------------
+    def list_incidents(self, job_id: str | None = None, limit: int = 100) -> IncidentsPublic:
+        """Incidents, newest first, of one job with ``job_id`` (``GET /incidents``)."""
+        params = _drop_none(job_id=job_id, limit=limit)
+        return IncidentsPublic.model_validate(self._request("GET", f"{API}/incidents", params=params))
+
+    def job_incidents(self, job_id: str) -> IncidentsPublic:
+        """All of one job's incidents, oldest first (``GET /jobs/{id}/incidents``)."""
+        return IncidentsPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/incidents"))
+
+    def job_checkpoints(self, job_id: str) -> CheckpointsPublic:
+        """Checkpoints the job reported, oldest first (``GET /jobs/{id}/checkpoints``)."""
+        return CheckpointsPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/checkpoints"))
+
+    def job_stacks(self, job_id: str) -> StacksPublic:
+        """The newest py-spy stacks of the job's ranks, grouped (``GET /jobs/{id}/stacks``)."""
+        return StacksPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/stacks"))
+
+    # -- manual recovery and eviction -------------------------------------------------------------
+    def recover_job(self, job_id: str, request: RecoverRequest) -> IncidentPublic:
+        """Restart a RUNNING job's ranks from its newest valid checkpoint (``POST /jobs/{id}/recover``);
+        the answer is the incident that records it."""
+        return IncidentPublic.model_validate(
+            self._request("POST", f"{API}/jobs/{job_id}/recover", json=request.model_dump(mode="json")))
+
+    def evict_node(self, node_id: str, deadline_s: float = 5.0) -> NodeActionPublic:
+        """Drain a node in Ray, its ranks get ``deadline_s`` to checkpoint; it stays out until readmitted
+        (``POST /nodes/{id}/evict``)."""
+        return NodeActionPublic.model_validate(
+            self._request("POST", f"{API}/nodes/{node_id}/evict", params={"deadline_s": deadline_s}))
+
+    def readmit_node(self, node_id: str) -> NodeActionPublic:
+        """Take an evicted node back: its agent starts a fresh raylet (``POST /nodes/{id}/readmit``)."""
+        return NodeActionPublic.model_validate(self._request("POST", f"{API}/nodes/{node_id}/readmit"))
 
     # -- node commands (agent role) -------------------------------------------------------------
     def node_commands(self, node_id: str, status: str | None = "PENDING") -> NodeCommandsPublic:

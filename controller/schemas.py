@@ -1022,3 +1022,13 @@ class RecoverRequest(_Strict):
 
     reason: Text = Field("manual", max_length=1024)
     evict_node: Line | None = Field(None, max_length=NAME_MAX, description="Also evict this node first.")
+
+
+class NodeActionPublic(BaseModel):
+    """``POST /nodes/{id}/evict`` and ``POST /nodes/{id}/readmit``: the node's state after the action."""
+
+    node_id: str
+    state: NodeState = Field(description="EVICTED after an eviction, ALIVE after a readmission.")
+    outcome: str | None = Field(
+        None, description="Eviction only: what became of the drain in Ray (drained, refused, failed, or only marked)."
+    )

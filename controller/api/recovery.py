@@ -24,7 +24,9 @@ from controller.schemas import (
     IncidentPublic,
     IncidentsPublic,
     JobStatus,
+    NodeActionPublic,
     NodeCommandsPublic,
+    NodeState,
     RecoverRequest,
     StacksPublic,
 )
@@ -146,27 +148,27 @@ def recover_job(job_id: JobId, body: RecoverRequest, session: SessionDep, reques
     return _incident_public(inc)
 
 
-@router.post("/nodes/{node_id}/evict", response_model=dict)
+@router.post("/nodes/{node_id}/evict", response_model=NodeActionPublic)
 def evict(node_id: NodeId, session: SessionDep, request: Request,
-          deadline_s: Annotated[float, Query(gt=0, le=3600)] = 5.0) -> dict:
+          deadline_s: Annotated[float, Query(gt=0, le=3600)] = 5.0) -> NodeActionPublic:
     """Drain the node in Ray (its ranks checkpoint and restart elsewhere); it stays out until readmitted."""
     _node(session, node_id)
     try:
         outcome = evict_node(session, request.app.state.monitor.cluster, node_id, "manual eviction", deadline_s)
     except HeadNodeError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from exc
-    return {"node_id": node_id, "state": "EVICTED", "outcome": outcome}
+    return NodeActionPublic(node_id=node_id, state=NodeState.EVICTED, outcome=outcome)
 
 
-@router.post("/nodes/{node_id}/readmit", response_model=dict)
-def readmit(node_id: NodeId, session: SessionDep) -> dict:
+@router.post("/nodes/{node_id}/readmit", response_model=NodeActionPublic)
+def readmit(node_id: NodeId, session: SessionDep) -> NodeActionPublic:
     """Take an evicted node back: its agent starts a fresh raylet."""
     _node(session, node_id)
     try:
         readmit_node(session, node_id)
     except ValueError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from exc
-    return {"node_id": node_id, "state": "ALIVE"}
+    return NodeActionPublic(node_id=node_id, state=NodeState.ALIVE)
 
 
 # -- agent commands -------------------------------------------------------------------------------------------

@@ -63,8 +63,16 @@ def test_fault_incidents_recover_evict_readmit(live: tuple[str, Any], capsys: py
     assert cli.main(["fault", job_id, "slow_rank", "--rank", "1", "--param", "factor=2.5"]) == 0
     assert "slow_rank PENDING" in capsys.readouterr().out
     assert cli.main(["fault", job_id, "slow_rank", "--param", "nokey"]) == 2
-    assert cli.main(["fault", job_id, "teleport", "--rank", "1"]) == 1  # the API's 422, printed
-    assert "'kind'" in capsys.readouterr().err  # names the field
+    capsys.readouterr()
+    # What the wire schema refuses is refused before it is sent (the API would answer 422): exit 1, naming the field.
+    assert cli.main(["fault", job_id, "teleport", "--rank", "1"]) == 1
+    assert "kind: Input should be" in capsys.readouterr().err
+    assert cli.main(["fault", job_id, "hang_rank"]) == 1
+    assert "rank: required for hang_rank" in capsys.readouterr().err
+    assert cli.main(["recover", job_id, "--evict", "bad\nname"]) == 1
+    assert "evict_node:" in capsys.readouterr().err
+    assert cli.main(["fault", "no-such-job", "kill_rank", "--rank", "1"]) == 1  # the API's 404, printed
+    assert "HTTP 404" in capsys.readouterr().err
 
     assert cli.main(["recover", job_id, "--reason", "operator says so"]) == 0
     assert "manual: operator says so" in capsys.readouterr().out

@@ -1,0 +1,8 @@
+"""``python -m controller.cli``: the ``vigil`` command."""
+
+import sys
+
+from controller.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
