@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,13 +21,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 import psutil
 
 from controller.netns import LinkSpec, NetnsCluster
 from controller.netns import cleanup_stale as cleanup_stale_netns
-from controller.settings import agent_socket_path
+from controller.probe import free_port, wait_for
+from controller.settings import Settings, agent_socket_path
 
 # Variables that must not leak from the user's shell into the processes `vigil up` starts: each gets
 # exactly the token it needs (the agents an agent token; Ray jobs their own job token).
@@ -37,13 +38,6 @@ _TOKEN_ENV = ("VIGIL_TOKEN", "VIGIL_AGENT_TOKEN", "VIGIL_DASHBOARD_TOKEN")
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def ensure_ray_token() -> None:
@@ -218,7 +212,7 @@ class LocalCluster:
         if self.database_url:
             _revoke(self.database_url, self.agent_token_ids)  # its agents are gone
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -256,20 +250,6 @@ def _bootstrap(home: Path, database_url: str, node_ids: Sequence[str]):  # type:
         engine.dispose()
 
 
-def _wait(cond, timeout: float, what: str, interval: float = 0.5):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = cond()
-            if value:
-                return value
-        except Exception as exc:  # still starting
-            last_exc = exc
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" ({last_exc})" if last_exc else ""))
-
-
 def node_name(i: int) -> str:
     """The Ray node name (and Vigil node id) of local node ``i``; the head is node 0."""
     return f"vigil-node-{i}"
@@ -297,8 +277,8 @@ def _start_node_with_retries(
             try:
                 if resource in _ray_nodes(dashboard_url):
                     return
-            except Exception:  # dashboard busy; ask again
-                pass
+            except Exception as exc:  # noqa: BLE001 - the dashboard busy or still starting: ask again
+                log.debug("%s: Ray's dashboard did not answer (%s)", name, exc)
             time.sleep(0.5)
         log.warning("%s did not register (attempt %d/%d); see %s", name, attempt, attempts, child.log_path)
         procs.stop_child(child)
@@ -307,7 +287,7 @@ def _start_node_with_retries(
 
 def agent_extra_args(node_id: str, join_cmds: dict[str, list[str]], home: Path, procs: ProcessGroup) -> list[str]:
     """Flags for the agent's recovery commands: where checkpoints live, its raylet, how it rejoins."""
-    extra = ["--storage-root", str(home / "storage")]
+    extra = ["--storage-root", str(Settings(home=home).resolved_storage_path())]
     if node_id in join_cmds:
         extra += ["--ray-join-cmd", json.dumps(join_cmds[node_id])]
     ray_start = next((c for c in procs.children if c.name == f"ray-node-{node_id.rsplit('-', 1)[1]}"), None)
@@ -373,7 +353,7 @@ def start_local_cluster(
                                  f"--dashboard-port={dash_port}", "--resources", json.dumps({"vigil_node_0": 1}),
                                  f"--node-name={node_name(0)}", f"--num-cpus={head_cpus}",
                                  f"--node-ip-address={head_ip}", *common, *_agent_port()], env, log_dir)
-        _wait(lambda: _ray_nodes(dashboard_url).get(node_name(0)), timeout, "the Ray head")
+        wait_for(lambda: _ray_nodes(dashboard_url).get(node_name(0)), timeout, "the Ray head", 0.5, (Exception,))
         # One node at a time: Ray gives a raylet 30 s to register with the GCS, which an overloaded
         # machine can miss; a node whose `ray start` gave up is started again.
         for i in range(1, nodes + 1):
@@ -396,14 +376,14 @@ def start_local_cluster(
         vigil_env = dict(env, VIGIL_HOME=str(home), VIGIL_RAY_ADDRESS=dashboard_url, VIGIL_PORT=str(port),
                          VIGIL_CONTROLLER_URL=controller_url, VIGIL_RUN_DIR=str(run_dir),
                          VIGIL_RAY_GCS_ADDRESS=f"{head_ip}:{gcs_port}",
-                         VIGIL_STORAGE_PATH=str(home / "storage"))
+                         VIGIL_STORAGE_PATH=str(Settings(home=home).resolved_storage_path()))
         if database_url:
             vigil_env["VIGIL_DATABASE_URL"] = database_url
         vigil = [sys.executable, "-m", "controller.cli"]
         listen = ["--extra-host", head_ip, "--allow-remote"] if net else []
         procs.start("controller", [*vigil, "controller", "--port", str(port), *listen], vigil_env, log_dir)
-        _wait(lambda: httpx.get(f"{controller_url}/api/v1/healthz", timeout=2).status_code == 200, timeout,
-              f"the controller on {controller_url}")
+        wait_for(lambda: httpx.get(f"{controller_url}/api/v1/healthz", timeout=2).status_code == 200, timeout,
+                 f"the controller on {controller_url}", 0.5, (Exception,))
         for i, node_id in enumerate(node_ids):
             # Each agent its own node's token, by env: a --token would show in `ps`.
             agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agents[node_id])
@@ -419,8 +399,8 @@ def start_local_cluster(
                                  VIGIL_NIC_LINK=net.link.to_json()), log_dir)
             else:
                 procs.start(f"agent-{i}", argv, agent_env, log_dir)
-        _wait(lambda: httpx.get(f"{controller_url}/api/v1/nodes", headers=auth, timeout=2).json()["count"]
-              >= nodes + 1, timeout, "every agent's first heartbeat")
+        wait_for(lambda: httpx.get(f"{controller_url}/api/v1/nodes", headers=auth, timeout=2).json()["count"]
+                 >= nodes + 1, timeout, "every agent's first heartbeat", 0.5, (Exception,))
     except BaseException:
         procs.stop_all()
         if net is not None:

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import httpx
 
+from controller.probe import free_port
+
 log = logging.getLogger(__name__)
 
 PG_ADMIN_URL = os.environ.get("VIGIL_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -201,19 +203,11 @@ def _cpu_seconds(pid: int) -> float:
     return float(t.user + t.system)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def controller_process(url: str, home: Path, pid_out: list[int] | None = None, aggregate: bool = True
                        ) -> Iterator[str]:
     """``vigil controller`` on a free loopback port, stopped (and waited for) on exit."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VIGIL_HOME=str(home), VIGIL_DATABASE_URL=url, VIGIL_PORT=str(port),
                VIGIL_CONTROLLER_URL=f"http://127.0.0.1:{port}", PYTHONUNBUFFERED="1")
     env.pop("VIGIL_RAY_ADDRESS", None)

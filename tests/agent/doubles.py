@@ -12,8 +12,6 @@ import gzip
 import json
 import socket
 import threading
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any, Self
 from pydantic import ValidationError
 
 from agent.main import AgentConfig, run_agent
+from controller.probe import wait_for  # the agent tests import it from here
 from controller.schemas import (
     CommandKind,
     CommandResult,
@@ -164,15 +163,6 @@ def send_datagrams(path: str, payloads: list[bytes]) -> None:
         s.settimeout(10)
         for p in payloads:
             s.sendto(p, path)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 20.0, interval: float = 0.02, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
 
 
 class _TrackingServer(ThreadingHTTPServer):

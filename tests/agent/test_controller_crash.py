@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from agent.main import AgentConfig
 from controller import migrate
 from controller.db import make_engine, make_session_factory, session_scope
 from controller.models import CollectiveMetric, JobStepStat, Node, StepMetric, TelemetryDirtyStep
+from controller.probe import free_port
 from controller.schemas import Role, TokenCreate
 from controller.tokens import create_token
 from tests.agent.doubles import AgentThread, collective_dict, datagram, send_datagrams, step_dict, wait_for
@@ -38,18 +38,12 @@ RANKS = 2
 CALLS = 2  # collectives per rank and step
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class ControllerProcess:
     """``vigil controller`` as a child process; ``kill()`` is SIGKILL, ``start()`` reuses the port."""
 
     def __init__(self, home: Path, url: str) -> None:
         self.home, self.url_db = home, url
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 

@@ -19,9 +19,12 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from controller.checkpoint_layout import job_checkpoint_root, newest_complete
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
-from controller.schemas import JobCreate, JobStatus
+from controller.probe import wait_for
+from controller.schemas import FaultCreate, JobCreate, JobStatus
+from controller.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -59,32 +62,22 @@ def _spec(name: str, policy: str = "evict_restart", steps: int = STEPS, ckpt: in
     })
 
 
-def _wait(cond, timeout: float, what: str, interval: float = 1.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
 def _finish(client: VigilClient, job_id: str, timeout: float = 420) -> None:
-    _wait(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
+    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
     job = client.get_job(job_id)
     assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
 
 
 def _reach(client: VigilClient, job_id: str, step: int, timeout: float = 240) -> None:
-    _wait(lambda: (client.get_job(job_id).last_step or 0) >= step, timeout, f"{job_id} to reach step {step}")
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= step, timeout, f"{job_id} to reach step {step}")
 
 
-def _incidents(client: VigilClient, job_id: str) -> list:
-    return client._request("GET", f"/api/v1/jobs/{job_id}/incidents")["data"]
+def _incidents(client: VigilClient, job_id: str) -> list[dict]:
+    return [i.model_dump(mode="json") for i in client.job_incidents(job_id).data]
 
 
 def _inject(client: VigilClient, job_id: str, body: dict) -> dict:
-    return client._request("POST", f"/api/v1/jobs/{job_id}/faults", json=body)
+    return client.inject_fault(job_id, FaultCreate.model_validate(body)).model_dump(mode="json")
 
 
 def _rank_node(client: VigilClient, job_id: str, rank: int, timeout: float = 30) -> tuple[str, int]:
@@ -102,7 +95,7 @@ def _rank_node(client: VigilClient, job_id: str, rank: int, timeout: float = 30)
         return None
 
     try:
-        return _wait(find, timeout, f"rank {rank} of {job_id} in a heartbeat", 0.5)
+        return wait_for(find, timeout, f"rank {rank} of {job_id} in a heartbeat", 0.5)
     except TimeoutError as e:
         raise LookupError(rank) from e
 
@@ -120,8 +113,8 @@ def _readmit_evicted(client: VigilClient, cluster: LocalCluster) -> None:
     """Give every evicted node back (the next test needs the capacity)."""
     for n in client.list_nodes().data:
         if n.state.value == "EVICTED":
-            client._request("POST", f"/api/v1/nodes/{n.id}/readmit")
-            _wait(lambda n=n: n.id in {x.node_name for x in _ray_alive(cluster)}, 120, f"{n.id} to rejoin Ray")
+            client.readmit_node(n.id)
+            wait_for(lambda n=n: n.id in {x.node_name for x in _ray_alive(cluster)}, 120, f"{n.id} to rejoin Ray")
 
 
 def _assert_resumed_from_checkpoint(client: VigilClient, job_id: str) -> None:
@@ -186,10 +179,10 @@ def _hang(client: VigilClient, cluster: LocalCluster) -> None:
     _reach(client, job.id, 20)
     node, _pid = _rank_node(client, job.id, 1)
     _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 20})
-    hang = _wait(lambda: next((i for i in _incidents(client, job.id) if i["kind"] == "hang" and i["rank"] is not None),
+    hang = wait_for(lambda: next((i for i in _incidents(client, job.id) if i["kind"] == "hang" and i["rank"] is not None),
                               None), 120, "the hang to be diagnosed")
     assert hang["rank"] == 1 and hang["node_id"] == node and hang["evidence"]["odd_ranks"] == [1]
-    stacks = client._request("GET", f"/api/v1/jobs/{job.id}/stacks")
+    stacks = client.job_stacks(job.id).model_dump(mode="json")
     assert stacks["odd_ranks"] == [1] and set(stacks["stacks"]) == {"0", "1"}
     _finish(client, job.id)
     assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "EVICTED"
@@ -220,8 +213,8 @@ def _slow(client: VigilClient, cluster: LocalCluster) -> None:
     inc = [i for i in _incidents(client, job.id) if i["kind"] == "straggler"]
     assert inc and inc[0]["rank"] == 0 and inc[0]["node_id"] == node
     assert inc[0]["evidence"]["class"] == "compute-slow"
-    fired = next(f for f in client._request("GET", f"/api/v1/jobs/{job.id}/faults")["data"])
-    assert fired["status"] in ("FIRED", "CLEARED")
+    fired = client.list_faults(job.id).data[0]
+    assert fired.status.value in ("FIRED", "CLEARED")
     detect_step = inc[0]["evidence"]["steps"][1]
     assert detect_step - at <= 20, "a 4x slower rank must be flagged within 20 steps"
     assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "EVICTED"
@@ -252,20 +245,20 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
     job = client.submit_job(_spec("corrupt", policy="observe"))
     _reach(client, job.id, 25)
     _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 25})
-    _wait(lambda: _frozen(client, job.id), 60, "the job to stop making progress")
+    wait_for(lambda: _frozen(client, job.id), 60, "the job to stop making progress")
     # The newest complete checkpoint on storage (its sample may not have reached the controller: a
     # rank reports a checkpoint at its next sync point, which the stopped rank never reaches).
-    ckpt_root = cluster.home / "storage" / job.id / "checkpoints"
-    newest_dir = max((d for d in ckpt_root.iterdir() if (d / "manifest.json").exists()), key=lambda d: d.name)
-    newest = int(newest_dir.name.split("-")[1])
+    found_newest = newest_complete(job_checkpoint_root(Settings(home=cluster.home).resolved_storage_path(), job.id))
+    assert found_newest is not None, "no complete checkpoint on storage"
+    newest, newest_dir = found_newest
     _inject(client, job.id, {"kind": "corrupt_checkpoint", "step": 0})
-    _wait(lambda: any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp")), 60,
+    wait_for(lambda: any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp")), 60,
           f"the corruption of {newest_dir.name}")
     _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 0})
     _finish(client, job.id)
     # Found out on restore (the replay then writes that step's folder again, valid: the event stays).
-    found = [e["data"]["step"] for e in client._request("GET", "/api/v1/events", params={"job_id": job.id})["data"]
-             if e["kind"] == "checkpoint_invalid"]
+    found = [e.data["step"] for e in client.list_events(job_id=job.id, limit=1000).data
+             if e.kind == "checkpoint_invalid"]
     # A newer, partial folder may be found out too: the stop can land while the ranks write the next
     # checkpoint (rank 0's shard written, rank 1's not, no manifest).
     assert newest in found and all(s > newest for s in found if s != newest), \

@@ -26,22 +26,12 @@ import pytest
 
 from controller import netns
 from controller.localcluster import free_port, start_local_cluster
+from controller.probe import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(netns.unavailable_reason() is not None, reason=netns.unavailable_reason() or "")]
 
 API = "/api/v1"
-
-
-def _wait(what: str, cond, timeout: float, interval: float = 1.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(interval)
-    raise TimeoutError(f"{what} (last: {last})")
 
 
 def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
@@ -61,7 +51,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
             return ((nodes()[node].get("host") or {}).get("link") or {}).get("rate_bps")
 
         # Every worker node's agent reports from inside its namespace: its eth0, its shaped link.
-        _wait("agents' link data", lambda: link_rate("vigil-node-1") and link_rate("vigil-node-2"), 60)
+        wait_for(lambda: link_rate("vigil-node-1") and link_rate("vigil-node-2"), 60, "agents' link data", 1.0)
         ns = nodes()
         for i in (1, 2):
             n = ns[f"vigil-node-{i}"]
@@ -76,7 +66,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
                 "recovery": {"policy": "observe"}}
         job = api.post("/jobs", json=spec).json()
         job_id = job["id"]
-        _wait("20 steps", lambda: (api.get(f"/jobs/{job_id}").json().get("last_step") or 0) >= 20, 400, 2)
+        wait_for(lambda: (api.get(f"/jobs/{job_id}").json().get("last_step") or 0) >= 20, 400, "20 steps", 2)
         tree = [p.pid for c in cluster.procs.children for p in psutil.Process(c.proc.pid).children(recursive=True)]
         tree += [c.proc.pid for c in cluster.procs.children]
         # The ranks run on the two namespaced nodes (the head has no CPUs).
@@ -100,8 +90,8 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
             return api.get(f"/jobs/{job_id}/steps", params={"since_ts": t0 - 5, "ranks": rank1,
                                                             "max_points": 100_000}).json()["data"][0]
 
-        steps = _wait("rank 1's steps past the second reading",
-                      lambda: (s := rank1_steps())["ts"][-1] > t1 + 1 and s, 30)
+        steps = wait_for(lambda: (s := rank1_steps())["ts"][-1] > t1 + 1 and s, 30,
+                         "rank 1's steps past the second reading", 1.0)
         sent = sum(w for ts, w in zip(steps["ts"], steps["wire_bytes"], strict=True) if t0 < ts <= t1)
         assert sent > 5_000_000, sent
         assert 0.97 <= (b1 - b0) / sent <= 1.3, (b1 - b0, sent)
@@ -124,14 +114,15 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
 
         fault = api.post(f"/jobs/{job_id}/faults", json={"kind": "degrade_nic", "node_id": "vigil-node-2",
                                                           "params": {"fraction": 0.25}}).json()
-        _wait("the agent to degrade the link", lambda: link_rate("vigil-node-2") == 50_000_000, 60)
+        wait_for(lambda: link_rate("vigil-node-2") == 50_000_000, 60, "the agent to degrade the link", 1.0)
         degraded_since = time.time() + 1
         time.sleep(12)
         slow, _ = grads_transfer(degraded_since)
         assert 0.7 * 4 * predicted <= slow <= 2.5 * 4 * predicted, (slow, 4 * predicted)
         assert slow / fast >= 2.5, (fast, slow)  # 4x the bandwidth's share, less the fixed costs
-        incident = _wait("an incident naming vigil-node-2", lambda: [
-            i for i in api.get(f"/jobs/{job_id}/incidents").json()["data"] if i["node_id"] == "vigil-node-2"], 120)
+        incident = wait_for(lambda: [
+            i for i in api.get(f"/jobs/{job_id}/incidents").json()["data"] if i["node_id"] == "vigil-node-2"], 120,
+            "an incident naming vigil-node-2", 1.0)
         inc = incident[0]
         assert inc["kind"] in ("straggler", "nic_degraded"), inc
         assert "capacity" in inc["evidence"]["nic_classes"], inc["evidence"]
@@ -142,7 +133,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
         assert others == [], others
 
         api.post(f"/jobs/{job_id}/faults/{fault['id']}/clear")
-        _wait("the configured link back", lambda: link_rate("vigil-node-2") == 200_000_000, 60)
+        wait_for(lambda: link_rate("vigil-node-2") == 200_000_000, 60, "the configured link back", 1.0)
         assert link_rate("vigil-node-1") == 200_000_000
         api.post(f"/jobs/{job_id}/cancel")
     finally:

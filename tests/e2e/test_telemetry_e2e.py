@@ -12,7 +12,6 @@ Needs: nothing outside the venv (Ray token auth on, as `vigil up` runs it). Abou
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,20 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.client import VigilClient
 from controller.localcluster import free_port, start_local_cluster
+from controller.probe import wait_for
 from controller.schemas import JobCreate, JobStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 30
-
-
-def _wait(cond, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(1)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_every_collective_of_every_step_and_consistent_aggregates(tmp_path: Path) -> None:
@@ -52,7 +42,7 @@ def test_every_collective_of_every_step_and_consistent_aggregates(tmp_path: Path
             "lr_schedule": {"kind": "constant", "warmup_steps": 0},
         })
         job = client.submit_job(spec)
-        status = _wait(lambda: (s := client.get_job(job.id).status).is_terminal() and s, 600, "the job to end")
+        status = wait_for(lambda: (s := client.get_job(job.id).status).is_terminal() and s, 600, "the job to end")
         assert status == JobStatus.SUCCEEDED, client.job_logs(job.id).logs[-3000:]
 
         # Every step of both ranks, aggregated (final) once settled.
@@ -60,11 +50,11 @@ def test_every_collective_of_every_step_and_consistent_aggregates(tmp_path: Path
             st = client.job_steps(job.id)
             return len(st.data) == 2 and all(len(d.step) == STEPS + 1 and all(d.final) for d in st.data)
 
-        _wait(all_final, 120, "every step of both ranks aggregated")
+        wait_for(all_final, 120, "every step of both ranks aggregated")
         steps = client.job_steps(job.id)
         assert [d.rank for d in steps.data] == [0, 1]
         # Step 0: the start-up collectives (rank 0's weights broadcast), no training step.
-        assert all(d.step == list(range(0, STEPS + 1)) and d.loss[0] is None and d.collectives[0] >= 1
+        assert all(d.step == list(range(STEPS + 1)) and d.loss[0] is None and d.collectives[0] >= 1
                    for d in steps.data)
         assert steps.data[0].node_id != steps.data[1].node_id, "the two ranks should run on two nodes"
 

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,8 @@ import yaml
 
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
-from controller.schemas import JobStatus
+from controller.probe import wait_for
+from controller.schemas import FaultCreate, IncidentKind, JobStatus
 
 pytestmark = pytest.mark.slow
 
@@ -146,16 +146,6 @@ def client(cluster: LocalCluster) -> Iterator[VigilClient]:
         yield c
 
 
-def _wait(cond, timeout: float, what: str, interval: float = 1.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
 def _vigil_submit(cluster: LocalCluster, spec_file: Path, working_dir: Path) -> str:
     """`vigil submit SPEC --working-dir DIR` as a user runs it; the job id it prints."""
     env = {**os.environ, "VIGIL_TOKEN": cluster.admin_token, "VIGIL_CONTROLLER_URL": cluster.controller_url}
@@ -167,7 +157,7 @@ def _vigil_submit(cluster: LocalCluster, spec_file: Path, working_dir: Path) -> 
 
 
 def _finish(client: VigilClient, job_id: str, timeout: float = 360) -> None:
-    _wait(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
+    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
     job = client.get_job(job_id)
     assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
 
@@ -217,12 +207,12 @@ def test_own_project_runs_is_observed_and_resumes_from_its_checkpoint_after_a_ki
     job_id = _vigil_submit(cluster, spec_file, proj)
     job = client.get_job(job_id)
     assert job.spec.working_dir is not None and job.spec.working_dir.startswith("sha256:")
-    _wait(lambda: (client.get_job(job_id).last_step or 0) >= 25, 240, f"{job_id} to reach step 25")
-    client._request("POST", f"/api/v1/jobs/{job_id}/faults", json={"kind": "kill_rank", "rank": 1, "step": 25})
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 25, 240, f"{job_id} to reach step 25")
+    client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=25))
     _finish(client, job_id)
     _assert_telemetry(client, job_id, STEPS)
-    inc = [i for i in client._request("GET", f"/api/v1/jobs/{job_id}/incidents")["data"] if i["kind"] == "rank_died"]
-    assert inc and inc[0]["rank"] == 1 and inc[0]["status"] == "RECOVERED", inc
+    inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED]
+    assert inc and inc[0].rank == 1 and inc[0].status.value == "RECOVERED", inc
     # The project's own record: a first start at 1, then a start after one of its checkpoints.
     for rank in (0, 1):
         starts = [int(x) for x in (logs / f"starts-{rank}.txt").read_text().split()]

@@ -8,11 +8,11 @@ NCCL group on a free port.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
+from controller.probe import free_port
 from trainer import quant
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
@@ -57,12 +57,6 @@ def test_noise_pack_and_hadamard_agree_on_cpu_and_gpu() -> None:
     assert torch.allclose(quant.inverse_hadamard(quant.hadamard(x.cuda())).cpu(), x, rtol=1e-5, atol=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_comm_times_gpu_collectives_with_cuda_events_without_a_sync() -> None:
     """The layer records CUDA events around the call and resolves them only at drain: the duration
     covers the collective's GPU work (a 256 MB all-reduce takes well over 10 microseconds)."""
@@ -70,7 +64,7 @@ def test_comm_times_gpu_collectives_with_cuda_events_without_a_sync() -> None:
 
     from trainer.comm import Comm
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         comm = Comm.from_process_group()

@@ -11,7 +11,6 @@ import json
 import math
 import multiprocessing as mp
 import shutil
-import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from itertools import pairwise
@@ -22,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from controller.probe import free_port
 from controller.schemas import CheckpointSample, JobCreate, StepSample
 from examples.gpt_pydoc.gpt_train import lr_at, train
 from trainer.checkpoint import MANIFEST_FILE, verify
@@ -61,12 +61,6 @@ class RecordingSink:
 
     def close(self) -> None:
         pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, out: str, cache: str) -> None:
@@ -114,7 +108,7 @@ def two_rank_run(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -
     out = tmp_path_factory.mktemp("loop")
     world = 2
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(out), str(corpus_cache))) for r in range(world)]
     for p in procs:
         p.start()

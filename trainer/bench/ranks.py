@@ -19,7 +19,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 
+from controller.probe import free_port
+
 # Imported once in the fork server: torch._dynamo alone takes seconds (the first optimizer pulls it in).
 _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch._dynamo", "torch.nn.parallel", "pydantic"]
 _PORT_IN_USE = ("Address already in use", "EADDRINUSE", "errno: 98")
@@ -35,13 +36,6 @@ _PORT_IN_USE = ("Address already in use", "EADDRINUSE", "errno: 98")
 
 class RankFailure(RuntimeError):
     """A rank raised, or the run overran its timeout."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _dumps(obj: Any) -> bytes:
