@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from controller.background import BackgroundLoop
+
 log = logging.getLogger(__name__)
 
 Metrics = dict[str, Any]
@@ -490,7 +492,7 @@ class GpuCollector:
                 return
             try:
                 index = int(nv.nvmlDeviceGetIndex(ev.device))
-            except Exception:  # noqa: BLE001 - a device that vanished: keep the event on no GPU
+            except Exception:  # noqa: BLE001, S112 - a device that vanished: keep the event on no GPU
                 continue
             if index not in self._xids:
                 continue
@@ -544,7 +546,7 @@ def _text(v: bytes | str) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-class CollectorLoop:
+class CollectorLoop(BackgroundLoop):
     """Runs the collectors periodically in their own thread and keeps the latest snapshot.
 
     The heartbeat reads :meth:`snapshot` and never waits for a probe, so a hung driver call
@@ -562,8 +564,7 @@ class CollectorLoop:
         self._wall_clock = wall_clock
         self._latest: Metrics = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     def step(self) -> Metrics:
         """Collect once from every collector and store the snapshot."""
@@ -582,18 +583,14 @@ class CollectorLoop:
         with self._lock:
             return dict(self._latest)
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="vigil-agent-collectors", daemon=True)
-        self._thread.start()
+    # -- background thread (BackgroundLoop: start, stop) ----------------------------------------------
+    thread_name = "vigil-agent-collectors"
+
+    def pause_s(self) -> float:
+        return self._interval
+
+    def tick(self) -> None:
+        self.step()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.step()
-            self._stop.wait(self._interval)
+        super().stop(timeout)

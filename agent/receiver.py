@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 from pydantic import TypeAdapter, ValidationError
 
+from controller.background import BackgroundLoop
 from controller.schemas import CheckpointSample, CollectiveSample, RankProcess, RankSample, StepSample
 
 log = logging.getLogger(__name__)
@@ -372,7 +373,7 @@ def bind_datagram_socket(path: Path, mode: int = 0o660) -> socket.socket:
     return sock
 
 
-class Receiver:
+class Receiver(BackgroundLoop):
     """Reads rank datagrams from the agent socket into a :class:`SampleBuffer`.
 
     ``step(timeout)`` handles at most one datagram (tests drive it directly); ``start()`` runs
@@ -397,8 +398,7 @@ class Receiver:
         self._suppressed = 0
         self._sock: socket.socket | None = None
         self._buf = bytearray(MAX_DATAGRAM_BYTES)
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        super().__init__()
 
     # -- life cycle -------------------------------------------------------------------------------
     def bind(self) -> None:
@@ -406,18 +406,22 @@ class Receiver:
             self._sock = bind_datagram_socket(self.socket_path)
             log.info("agent listening for rank telemetry on %s", self.socket_path)
 
+    thread_name = "vigil-agent-receiver"
+
     def start(self) -> None:
         self.bind()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="vigil-agent-receiver", daemon=True)
-        self._thread.start()
+        super().start()
+
+    def pause_s(self) -> float:
+        return 0.1  # only after a failed pass: a pass itself waits up to 0.2 s for a datagram
+
+    def tick(self) -> bool:
+        self.step(timeout=0.2)
+        return True
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread, close the socket and remove the socket file."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        super().stop(timeout)
         if self._sock is not None:
             # Take in what ranks sent before we stopped listening, so the final flush ships it
             # (bounded: ranks that keep sending must not hold up the shutdown).
@@ -430,14 +434,6 @@ class Receiver:
                 self.socket_path.unlink()
             except FileNotFoundError:
                 pass
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.step(timeout=0.2)
-            except Exception:  # never let one surprise kill the receiver thread
-                log.exception("receiver iteration failed")
-                time.sleep(0.1)
 
     # -- one iteration ----------------------------------------------------------------------------
     def step(self, timeout: float | None = 0.2) -> bool:

@@ -41,7 +41,6 @@ whose newest sample is older than the window, a bounded number of rows per pass.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from sqlalchemy import delete, distinct, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from controller.background import BackgroundLoop
 from controller.db import session_scope
 from controller.models import (
     CollectiveMetric,
@@ -380,7 +380,7 @@ class MaintenanceReport:
     pruned_rows: int = 0
 
 
-class TelemetryMaintainer:
+class TelemetryMaintainer(BackgroundLoop):
     """Runs :func:`aggregate_ready` every ``interval_s`` and :func:`prune_raw` every ``prune_interval_s``.
 
     ``step()`` does one pass (tests drive it with their own clock); ``start()`` runs passes in a
@@ -406,9 +406,7 @@ class TelemetryMaintainer:
         self.max_steps_per_pass = max_steps_per_pass
         self.clock = clock
         self._next_prune = float("-inf")
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     def step(self, now: float | None = None, *, prune: bool | None = None) -> MaintenanceReport:
         """One pass: aggregate what has settled; prune when due (or when ``prune`` says so)."""
@@ -430,34 +428,15 @@ class TelemetryMaintainer:
             if n < self.max_steps_per_pass:
                 return total
 
-    def wake(self) -> None:
-        self._wake.set()
+    # -- background thread (BackgroundLoop: start, stop, wake) ------------------------------------
+    thread_name = "vigil-telemetry"
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="vigil-telemetry", daemon=True)
-        self._thread.start()
+    def pause_s(self) -> float:
+        return self.interval_s
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                report = self.step()
-            except Exception:  # keep maintaining; a bad pass must not kill the thread
-                log.exception("telemetry maintenance pass failed")
-                report = MaintenanceReport()
-            # A full pass means a backlog: go again at once.
-            if report.aggregated_steps < self.max_steps_per_pass:
-                self._wake.wait(self.interval_s)
-                self._wake.clear()
+    def tick(self) -> bool:
+        # A full pass means a backlog: go again at once.
+        return self.step().aggregated_steps >= self.max_steps_per_pass
 
 
 __all__ = [

@@ -7,11 +7,11 @@ controller runs it in a background thread every ``interval`` seconds (and at onc
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from controller.background import BackgroundLoop
 from controller.db import session_scope
 from controller.jobs import active_jobs, record_event, transition
 from controller.launcher import JobLauncher, LaunchError
@@ -22,7 +22,7 @@ from controller.tokens import create_token, revoke_job_tokens
 log = logging.getLogger(__name__)
 
 
-class Supervisor:
+class Supervisor(BackgroundLoop):
     def __init__(
         self, sessions: sessionmaker[Session], launcher: JobLauncher | None, job_env: dict[str, str],
         interval: float = 1.0,
@@ -34,9 +34,7 @@ class Supervisor:
         self.interval = interval
         self.launch_retry_s = launch_retry_s
         self._launch_failures: dict[str, float] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> None:
@@ -80,28 +78,8 @@ class Supervisor:
             transition(session, job, JobStatus.RUNNING)
         transition(session, job, st.status, st.message if st.status == JobStatus.FAILED else None)
 
-    # -- background thread ----------------------------------------------------------------------
-    def wake(self) -> None:
-        self._wake.set()
+    # -- background thread (BackgroundLoop: start, stop, wake) ------------------------------------
+    thread_name = "vigil-supervisor"
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="vigil-supervisor", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.step()
-            except Exception:  # keep supervising; a bad pass must not kill the thread
-                log.exception("supervisor step failed")
-            self._wake.wait(self.interval)
-            self._wake.clear()
+    def tick(self) -> None:
+        self.step()

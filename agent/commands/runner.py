@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from agent.commands.errors import _fit
 from agent.commands.transport import CommandTransport
+from controller.background import BackgroundLoop
 from controller.client import ApiError
 from controller.schemas import CommandKind, CommandResult, NodeCommand
 
@@ -234,39 +235,31 @@ def _summary(args: Mapping[str, Any]) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-class CommandLoop:
+class CommandLoop(BackgroundLoop):
     """Steps a :class:`CommandRunner` in its own thread: every ``interval_s``, at once after a
     command was done, and stops when the runner does (kill_node)."""
+
+    thread_name = "vigil-agent-commands"
 
     def __init__(self, runner: CommandRunner, interval_s: float = 1.0) -> None:
         self.runner = runner
         self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="vigil-agent-commands", daemon=True)
-        self._thread.start()
+    def pause_s(self) -> float:
+        return self.interval_s
+
+    def tick(self) -> bool:
+        if self.runner.stopped:
+            self._stop.set()
+            return False
+        again = self.runner.step()
+        if self.runner.stopped:
+            self._stop.set()
+        return bool(again)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop polling (a command under way gets ``timeout`` to finish), then end throttles."""
-        self._stop.set()
         self.runner.halt()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout)
-            if t.is_alive():
-                log.warning("command thread still busy after %.0fs; leaving it", timeout)
-        self._thread = None
+        super().stop(timeout)
         self.runner.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set() and not self.runner.stopped:
-            try:
-                again = self.runner.step()
-            except Exception:  # never let a surprise end command handling
-                log.exception("command step failed")
-                again = False
-            if not again:
-                self._stop.wait(self.interval_s)

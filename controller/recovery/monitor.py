@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from datetime import UTC, datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from controller.background import BackgroundLoop
 from controller.db import session_scope
 from controller.jobs import record_event, transition
 from controller.launcher import ClusterControl, JobLauncher, LaunchError
@@ -65,7 +65,7 @@ class Thresholds:
     restart_gap_s: float = 5.0  # a pause this long in a job's steps after an action counts as its restart
 
 
-class Monitor:
+class Monitor(BackgroundLoop):
     def __init__(
         self,
         sessions: sessionmaker[Session],
@@ -81,8 +81,7 @@ class Monitor:
         self.interval = interval
         self.th = thresholds or Thresholds()
         self.clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
         self._nic = nic.NicDetector()  # NIC detector hook (issue 6): keeps each node's heartbeat history
 
     # -- one pass ---------------------------------------------------------------------------------
@@ -575,24 +574,12 @@ class Monitor:
             return 0.0
         return (ts if ts.tzinfo else ts.replace(tzinfo=UTC)).timestamp()
 
-    # -- background thread ------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="vigil-monitor", daemon=True)
-            self._thread.start()
+    # -- background thread (BackgroundLoop: start, stop, wake) --------------------------------------
+    thread_name = "vigil-monitor"
+    wait_first = True
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.step()
-            except Exception:
-                log.exception("monitor step failed")
+    def tick(self) -> None:
+        self.step()
 
 
 class HeadNodeError(ValueError):
