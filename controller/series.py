@@ -1,4 +1,5 @@
-"""Reads of step and collective telemetry for the REST API: aggregates, plus what is still forming.
+"""Reads of step and collective telemetry (the REST API, Prometheus and the dashboard read through
+these): per-rank step series, aggregates, plus what is still forming.
 
 A step's aggregates exist once it has settled (see :mod:`controller.aggregation`). Steps still
 marked dirty are computed here, on the fly, from their raw rows with the same function, and come
@@ -31,7 +32,9 @@ from controller.schemas import (
     CollectiveCallPublic,
     CollectiveSeriesPublic,
     JobCollectivesPublic,
+    JobMetrics,
     JobStepsPublic,
+    RankSeries,
     RankStepsPublic,
 )
 
@@ -237,4 +240,38 @@ def raw_calls(session: Session, job_id: str, rng: StepRange, *, ops: Sequence[st
     return calls, truncated
 
 
-__all__ = ["MAX_PROVISIONAL_STEPS", "StepRange", "decimate", "job_collectives", "job_steps", "raw_calls"]
+
+
+def job_metrics(session: Session, job_id: str, since_step: int | None = None, max_points: int = 2000) -> JobMetrics:
+    """Step series per rank (loss, step time, throughput), at most about ``max_points`` points per rank.
+
+    Raw samples (the retention window) and the per-rank aggregates kept for good, merged: a step
+    whose raw rows were pruned is read from its aggregate. Downsampled as every series here is: the
+    slowest step of each run survives (module docstring).
+    """
+    points: dict[tuple[int, int], tuple[float, float | None, float | None, float | None]] = {}
+    for model in (RankStepStat, StepMetric):  # raw last: where both exist, the raw sample wins
+        # Training steps only: an aggregate without a step sample holds collectives alone (step 0: the
+        # start-up broadcasts of the weights), which the step breakdown (/steps) shows instead.
+        q = select(model.rank, model.step, model.ts, model.loss, model.step_time_s, model.tokens_per_s).where(
+            model.job_id == job_id, model.step_time_s.is_not(None))
+        if since_step is not None:
+            q = q.where(model.step >= since_step)
+        for r in session.execute(q).all():
+            points[(r.rank, r.step)] = (r.ts, r.loss, r.step_time_s, r.tokens_per_s)
+    by_rank: dict[int, list[tuple[int, tuple[float, float | None, float | None, float | None]]]] = defaultdict(list)
+    for (rank, step), v in sorted(points.items()):
+        by_rank[rank].append((step, v))
+    series = []
+    for rank, pts in sorted(by_rank.items()):
+        pts = decimate(pts, max_points, key=lambda p: p[1][2])
+        series.append(RankSeries(
+            rank=rank, step=[p[0] for p in pts], ts=[p[1][0] for p in pts], loss=[p[1][1] for p in pts],
+            step_time_s=[p[1][2] or 0.0 for p in pts], tokens_per_s=[p[1][3] or 0.0 for p in pts],
+        ))
+    return JobMetrics(job_id=job_id, ranks=series)
+
+
+__all__ = [
+    "MAX_PROVISIONAL_STEPS", "StepRange", "decimate", "job_collectives", "job_metrics", "job_steps", "raw_calls",
+]

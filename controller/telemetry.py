@@ -6,7 +6,6 @@ import gzip
 import logging
 import time
 import zlib
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from operator import attrgetter
@@ -20,16 +19,12 @@ from controller.models import (
     Base,
     Job,
     Node,
-    RankStepStat,
-    StepMetric,
     TelemetryBatchSeen,
 )
 from controller.schemas import (
     CheckpointSample,
     CollectiveSample,
-    JobMetrics,
     NodeState,
-    RankSeries,
     StepSample,
     TelemetryAck,
     TelemetryBatch,
@@ -214,35 +209,4 @@ def _touch_node(session: Session, batch: TelemetryBatch) -> None:
             node.state = NodeState.ALIVE.value
 
 
-def job_metrics(session: Session, job_id: str, since_step: int | None = None, max_points: int = 2000) -> JobMetrics:
-    """Step series per rank, downsampled to at most ``max_points`` points per rank.
-
-    Raw samples (the retention window) and the per-rank aggregates kept for good, merged: a step
-    whose raw rows were pruned is read from its aggregate.
-    """
-    points: dict[tuple[int, int], tuple[float, float | None, float | None, float | None]] = {}
-    for model in (RankStepStat, StepMetric):  # raw last: where both exist, the raw sample wins
-        # Training steps only: an aggregate without a step sample holds collectives alone (step 0: the
-        # start-up broadcasts of the weights), which the step breakdown (/steps) shows instead.
-        q = select(model.rank, model.step, model.ts, model.loss, model.step_time_s, model.tokens_per_s).where(
-            model.job_id == job_id, model.step_time_s.is_not(None))
-        if since_step is not None:
-            q = q.where(model.step >= since_step)
-        for r in session.execute(q).all():
-            points[(r.rank, r.step)] = (r.ts, r.loss, r.step_time_s, r.tokens_per_s)
-    by_rank: dict[int, list[tuple[int, tuple[float, float | None, float | None, float | None]]]] = defaultdict(list)
-    for (rank, step), v in sorted(points.items()):
-        by_rank[rank].append((step, v))
-    series = []
-    for rank, pts in sorted(by_rank.items()):
-        if len(pts) > max_points:
-            stride = -(-len(pts) // max_points)
-            pts = pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
-        series.append(RankSeries(
-            rank=rank, step=[p[0] for p in pts], ts=[p[1][0] for p in pts], loss=[p[1][1] for p in pts],
-            step_time_s=[p[1][2] or 0.0 for p in pts], tokens_per_s=[p[1][3] or 0.0 for p in pts],
-        ))
-    return JobMetrics(job_id=job_id, ranks=series)
-
-
-__all__ = ["BodyTooLarge", "CollectiveSample", "decode_body", "ingest", "job_metrics"]
+__all__ = ["BodyTooLarge", "CollectiveSample", "decode_body", "ingest"]

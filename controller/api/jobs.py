@@ -19,7 +19,7 @@ from controller.schemas import (
     JobStatus,
     LogsPublic,
 )
-from controller.telemetry import job_metrics
+from controller.series import job_metrics
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

@@ -255,6 +255,18 @@ def test_metrics_downsample(client: TestClient) -> None:
         45, 46, 47, 48, 49]
 
 
+def test_metrics_downsampling_keeps_a_slow_step(client: TestClient) -> None:
+    """Decimated series keep each run's slowest step: a straggler spike never disappears from the chart."""
+    job_id = client.post(f"{API}/jobs", json=_job()).json()["id"]
+    batch = _batch(job_id, seq=0, n_steps=100)
+    for s in batch["samples"]:
+        if s["kind"] == "step" and s["step"] == 37:
+            s["step_time_s"] = 5.0
+    client.post(f"{API}/telemetry", json=batch)
+    for series in client.get(f"{API}/jobs/{job_id}/metrics", params={"max_points": 10}).json()["ranks"]:
+        assert len(series["step"]) <= 11 and 37 in series["step"] and max(series["step_time_s"]) == 5.0
+
+
 def test_healthz_and_openapi(client: TestClient) -> None:
     h = client.get(f"{API}/healthz").json()
     assert h["status"] == "ok" and h["database"] in ("sqlite", "postgresql")
