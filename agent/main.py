@@ -53,7 +53,13 @@ from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
 from controller.client import VigilClient
 from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat
-from controller.settings import agent_socket_path, get_settings
+from controller.settings import (
+    DEFAULT_STORAGE_PATH,
+    ENV_STORAGE_PATH,
+    agent_socket_path,
+    get_settings,
+    storage_path_from_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +67,6 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TOKEN_ENV = "VIGIL_AGENT_TOKEN"
 """Checked first: an agent-specific token wins over a general ``VIGIL_TOKEN`` in the same environment."""
 TOKEN_ENVS = (TOKEN_ENV, "VIGIL_TOKEN")
-STORAGE_ENV = "VIGIL_STORAGE_PATH"
-"""Where Ray Train keeps checkpoints (the trainer reads the same variable)."""
-DEFAULT_STORAGE = "~/.vigil-storage"
-
-
-def default_storage_root() -> Path:
-    return Path(os.environ.get(STORAGE_ENV) or DEFAULT_STORAGE).expanduser()
 
 
 class AgentConfig(BaseModel):
@@ -128,9 +127,9 @@ class AgentConfig(BaseModel):
         True, description="Poll the controller for commands (kill, stop, py-spy, ...) and carry them out."
     )
     storage_root: Path = Field(
-        default_factory=default_storage_root,
-        description=f"corrupt_files only touches files under this folder (default ${STORAGE_ENV} or "
-        f"{DEFAULT_STORAGE}); resolved once here.",
+        default_factory=storage_path_from_env,
+        description=f"corrupt_files only touches files under this folder (default ${ENV_STORAGE_PATH} or "
+        f"{DEFAULT_STORAGE_PATH}); resolved once here.",
     )
     raylet_pid: int | None = Field(
         None, ge=2, description="This node's raylet, when it cannot be found by its --node-name / --node_id."
@@ -475,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--storage-root",
         type=Path,
-        help=f"Checkpoint storage; corrupt_files only writes under it (default ${STORAGE_ENV} or {DEFAULT_STORAGE}).",
+        help=f"Checkpoint storage; corrupt_files only writes under it (default ${ENV_STORAGE_PATH} or {DEFAULT_STORAGE_PATH}).",
     )
     p.add_argument(
         "--raylet-pid", type=int, help="This node's raylet pid (default: found by its --node-name)."

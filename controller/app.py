@@ -24,7 +24,7 @@ from controller.limits import BodySizeLimit, validation_error_handler
 from controller.prometheus import make_registry
 from controller.recovery.monitor import Monitor
 from controller.schemas import Health, Role
-from controller.settings import Settings, get_settings
+from controller.settings import ENV_STORAGE_PATH, Settings, get_settings
 from controller.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def job_env(settings: Settings) -> dict[str, str]:
     """Environment every launched job gets, so its ranks find their node's agent."""
     return {"VIGIL_RUN_DIR": str(settings.run_dir), "VIGIL_CONTROLLER_URL": settings.controller_url,
             "VIGIL_HOME": str(settings.home.resolve()),
-            "VIGIL_STORAGE_PATH": str((settings.home / "storage").resolve())}
+            ENV_STORAGE_PATH: str(settings.resolved_storage_path())}
 
 
 def create_app(

@@ -6,6 +6,8 @@ time, so tests can set the environment first and call ``get_settings.cache_clear
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
@@ -65,6 +67,9 @@ class Settings(BaseSettings):
         32, ge=1, le=4096, description="Ranks exported per job on /metrics: the slowest ones of the latest step."
     )
 
+    storage_path: Path | None = Field(
+        None, description="Checkpoint storage of the jobs this controller starts; default <home>/storage."
+    )
     packages_dir: Path | None = Field(
         None, description="Where uploaded code packages are stored (content-addressed zips); default <home>/packages."
     )
@@ -73,6 +78,11 @@ class Settings(BaseSettings):
         256 * 1024 * 1024, gt=0, description="Most bytes a code package may unpack to (zip bombs are refused)."
     )
     max_package_files: int = Field(10_000, gt=0, description="Most entries a code package may hold.")
+
+    def resolved_storage_path(self) -> Path:
+        """Where the jobs this controller starts keep their checkpoints: :attr:`storage_path`, else
+        ``<home>/storage`` (handed to them as ``VIGIL_STORAGE_PATH``)."""
+        return (self.storage_path or self.home / "storage").resolve()
 
     def resolved_packages_dir(self) -> Path:
         """Where code packages live: :attr:`packages_dir`, else ``<home>/packages``."""
@@ -96,12 +106,29 @@ def admin_token_path(home: Path) -> Path:
     return Path(home) / "admin-token"
 
 
+ENV_STORAGE_PATH = "VIGIL_STORAGE_PATH"
+"""Where checkpoints live (a folder every node sees): the controller sets it for the job's driver and
+ranks, and ``vigil up`` for the agents."""
+DEFAULT_STORAGE_PATH = "~/.vigil-storage"
+
+
+def storage_path_from_env(env: Mapping[str, str] | None = None) -> Path:
+    """The checkpoint storage of a process the controller did not configure in full (an agent, the
+    job's driver): ``$VIGIL_STORAGE_PATH``, else :data:`DEFAULT_STORAGE_PATH`."""
+    env = os.environ if env is None else env
+    return Path(env.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH).expanduser()
+
+
 def agent_socket_path(run_dir: Path, node_id: str) -> Path:
     """Path of the unix datagram socket where the agent of ``node_id`` listens for rank samples."""
     return Path(run_dir) / "agents" / f"{node_id}.sock"
 
 
-def fault_file_path(run_dir: Path, job_id: str, rank: int) -> Path:
+FAULT_FIRED_SUFFIX = ".fired"
+"""A fault file the rank has acted on is renamed with this suffix (before acting: one shot)."""
+
+
+def fault_file_path(run_dir: Path | str, job_id: str, rank: int) -> Path:
     """The one-shot fault file of ``rank`` of ``job_id`` on its node: written by the agent
     (``write_fault_file``), read by the rank once per step (docs/RECOVERY.md)."""
     return Path(run_dir) / "faults" / slugify(job_id) / f"rank-{int(rank)}.json"

@@ -46,14 +46,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from controller.schemas import JobCreate, slugify
+from controller.settings import storage_path_from_env
 
 log = logging.getLogger(__name__)
 
 ENV_JOB_ID = "VIGIL_JOB_ID"
 ENV_JOB_SPEC = "VIGIL_JOB_SPEC"
 ENV_RUN_DIR = "VIGIL_RUN_DIR"
-ENV_STORAGE_PATH = "VIGIL_STORAGE_PATH"
-DEFAULT_STORAGE_PATH = "~/.vigil-storage"
 RAY_TRAIN_ENV_DEFAULTS: dict[str, str] = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
@@ -127,7 +126,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         raise UsageError(str(e)) from e
     if args.report_interval is not None and args.report_interval < 1:
         raise UsageError("--report-interval must be >= 1")
-    storage = str(Path(env.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH).expanduser().resolve())
+    storage = str(storage_path_from_env(env).resolve())
     return DriverConfig(
         job_id=job_id, spec=spec, run_dir=env.get(ENV_RUN_DIR) or None, storage_path=storage,
         report_interval=args.report_interval,

@@ -1,6 +1,6 @@
 """In-rank fault injection: a one-shot fault file each rank looks at once per step.
 
-The file is ``<run_dir>/faults/<slug(job id)>/rank-<rank>.json`` (:func:`fault_path`; the agent of
+The file is ``<run_dir>/faults/<slug(job id)>/rank-<rank>.json`` (:func:`controller.settings.fault_file_path`; the agent of
 the rank's node writes it when the controller fires a fault), holding one JSON object::
 
     {"kind": "nan_loss", "step": 120, "fault_id": 7}
@@ -19,7 +19,7 @@ after a rollback to a checkpoint taken before ``step`` the fault does not fire a
 rename fails it does not fire at all). Cost per step: one ``os.stat`` that fails with ENOENT; the
 file is read only when its (inode, size, mtime) changes. Never blocks, never raises into the loop.
 
-Torch-free on purpose: the agent can import :func:`fault_path` to write the file.
+Torch-free on purpose; the file's path and suffix are the contract's (:mod:`controller.settings`).
 """
 
 from __future__ import annotations
@@ -30,21 +30,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.schemas import slugify
+from controller.settings import FAULT_FIRED_SUFFIX
 
 log = logging.getLogger(__name__)
 
-FAULTS_DIR = "faults"
-FIRED_SUFFIX = ".fired"
 NAN_LOSS = "nan_loss"
 SLOW_RANK = "slow_rank"
 KNOWN_KINDS = frozenset({NAN_LOSS, SLOW_RANK})
 MAX_SLOW_FACTOR = 100.0
 
 
-def fault_path(run_dir: Path | str, job_id: str, rank: int) -> Path:
-    """Where rank ``rank`` of job ``job_id`` looks for its fault file."""
-    return Path(run_dir) / FAULTS_DIR / slugify(job_id) / f"rank-{rank}.json"
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ class FaultHook:
         if fault is None or step < fault.step:
             return None
         try:
-            os.replace(self.path, self.path.with_name(self.path.name + FIRED_SUFFIX))
+            os.replace(self.path, self.path.with_name(self.path.name + FAULT_FIRED_SUFFIX))
         except OSError as e:
             log.error("fault file %s cannot be marked fired (%s); not firing it", self.path, e)
             return None

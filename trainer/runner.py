@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import runpy
 import sys
 import tempfile
@@ -24,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from controller.schemas import Entrypoint, JobCreate, parse_entrypoint
+from controller.settings import fault_file_path, storage_path_from_env
 from trainer import checkpoint, sdk
-from trainer.faults import fault_path
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +114,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     run_dir = Path(config.get("run_dir") or get_settings().run_dir)
     root = config.get("checkpoint_root")
     if root is None:
-        from trainer.driver import DEFAULT_STORAGE_PATH, ENV_STORAGE_PATH
-
-        storage = Path(os.environ.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH).expanduser()
-        root = checkpoint.job_root(storage, job_id)
+        root = checkpoint.job_root(storage_path_from_env(), job_id)
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         # Rank 0 alone hands Ray Train a pointer to the complete checkpoint (module docstring of
@@ -148,7 +144,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             restore_dir=Path(restore_dir) if restore_dir is not None else None,
             preemption_pending=preemption_pending,
             report_interval=int(config.get("report_interval") or sdk.REPORT_INTERVAL_STEPS),
-            fault_file=fault_path(run_dir, job_id, rank),
+            fault_file=fault_file_path(run_dir, job_id, rank),
         )
         summary = sdk.run(lambda cfg: run_entrypoint(entry, cfg), ctx, spec)
         if telemetry.dropped_total:

@@ -138,7 +138,7 @@ class RankContext:
     async_checkpoints: bool = True
     """Write checkpoints in the background (with a ``checkpoint_root``); False: synchronously."""
     fault_file: Path | None = None
-    """This rank's one-shot fault file (:func:`trainer.faults.fault_path`); None: no fault injection."""
+    """This rank's one-shot fault file (:func:`controller.settings.fault_file_path`); None: no fault injection."""
     cache_dir: Path | None = None
     """Data cache directory for code that wants one (the GPT example's corpus); None: its default."""
 

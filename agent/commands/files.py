@@ -18,7 +18,7 @@ from agent.commands.args import CorruptArgs, FaultFileArgs, _validate
 from agent.commands.errors import CommandError
 from controller.checkpoint_layout import MANIFEST_FILE, newest_complete
 from controller.schemas import CommandResult
-from controller.settings import fault_file_path
+from controller.settings import FAULT_FIRED_SUFFIX, fault_file_path
 
 if TYPE_CHECKING:
     from agent.commands.executor import ExecutorConfig
@@ -29,7 +29,6 @@ MANIFEST_MARKER = "manifest"
 #: already corrupted and reports that instead of undoing (an XOR would) or re-randomising them.
 CORRUPTION = (b"VIGIL-CORRUPTED!" * 4)[:64]
 #: The rank renames its fault file to ``rank-<r>.json`` + this when the fault fires (trainer/faults.py).
-FIRED_SUFFIX = ".fired"
 
 
 class FileKinds:
@@ -48,7 +47,7 @@ class FileKinds:
             data = json.dumps(a.fault, sort_keys=True, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise CommandError(f"bad args: fault is not JSON: {exc}") from None
-        fired = path.with_name(path.name + FIRED_SUFFIX)
+        fired = path.with_name(path.name + FAULT_FIRED_SUFFIX)
         with contextlib.suppress(OSError):
             if fired.read_bytes() == data:
                 # A redo of a fault the rank already took: writing it again would fire it twice.

@@ -38,7 +38,9 @@ import psutil
 from controller.checkpoint_layout import job_checkpoint_root, newest_complete
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
+from controller.probe import poll
 from controller.schemas import JobCreate
+from controller.settings import Settings
 
 log = logging.getLogger("vigil.bench.recovery")
 
@@ -71,16 +73,6 @@ def _result(kind: str, job_id: str) -> dict[str, Any]:
             "steps_to_detect": None, "time_to_recover_s": None, "lost_steps": None}
 
 
-def _wait(cond, timeout: float, interval: float = 1.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
-
-
 class Runner:
     def __init__(self, cluster: LocalCluster, slow_factor: float = 2.0, slow_mode: str = "compute") -> None:
         self.cluster = cluster
@@ -95,10 +87,10 @@ class Runner:
         return self.client._request("POST", f"{API}{path}", json=body or {})
 
     def reach(self, job_id: str, step: int, timeout: float = 300) -> bool:
-        return bool(_wait(lambda: (self.client.get_job(job_id).last_step or 0) >= step, timeout))
+        return bool(poll(lambda: (self.client.get_job(job_id).last_step or 0) >= step, timeout))
 
     def finish(self, job_id: str, timeout: float = 600) -> str:
-        _wait(lambda: self.client.get_job(job_id).status.is_terminal(), timeout, 2)
+        poll(lambda: self.client.get_job(job_id).status.is_terminal(), timeout, 2)
         return self.client.get_job(job_id).status.value
 
     def rank_location(self, job_id: str, rank: int, timeout: float = 30) -> tuple[str, int] | None:
@@ -110,7 +102,7 @@ class Runner:
                         return n.id, r.pid
             return None
 
-        return _wait(find, timeout, 0.5)
+        return poll(find, timeout, 0.5)
 
     def rank0_series(self, job_id: str) -> tuple[list[int], list[float], list[float]]:
         s = next((x for x in self.client.job_metrics(job_id, max_points=100_000).ranks if x.rank == 0), None)
@@ -175,12 +167,12 @@ class Runner:
             if in_rank:
                 body["step"] = hit_step
             self.post(f"/jobs/{job.id}/faults", body)
-            fault = _wait(lambda: next((f for f in self.get(f"/jobs/{job.id}/faults")["data"]
+            fault = poll(lambda: next((f for f in self.get(f"/jobs/{job.id}/faults")["data"]
                                         if f["fired_at"]), None), 60, 0.5)
             if fault:
                 fired = _ts(fault["fired_at"]) or fired
                 fault_step = self._step_at(fault.get("message", "")) or fault_step
-        inc = _wait(lambda: next((i for i in self.get(f"/jobs/{job.id}/incidents")["data"]
+        inc = poll(lambda: next((i for i in self.get(f"/jobs/{job.id}/incidents")["data"]
                                   if i["kind"] == expected_kind and (expected_kind != "hang" or i["rank"] is not None)),
                                  None), 180, 0.5)
         # The step the fault hit: a fault file's own step, or the step the job had reached when the
@@ -223,7 +215,7 @@ class Runner:
         for n in self.client.list_nodes().data:  # give an evicted node back for the next fault
             if n.state.value == "EVICTED":
                 self.post(f"/nodes/{n.id}/readmit")
-                _wait(lambda n=n: any(x.id == n.id and x.state.value == "ALIVE"
+                poll(lambda n=n: any(x.id == n.id and x.state.value == "ALIVE"
                                       for x in self.client.list_nodes().data), 60)
                 time.sleep(10)  # the fresh raylet registers with Ray
         return out
@@ -251,8 +243,8 @@ class Runner:
             time.sleep(2)
             return before if self.client.get_job(job.id).last_step == before else None
 
-        frozen_step = _wait(frozen, 60, 0)
-        found = newest_complete(job_checkpoint_root(self.cluster.home / "storage", job.id))
+        frozen_step = poll(frozen, 60, 0)
+        found = newest_complete(job_checkpoint_root(Settings(home=self.cluster.home).resolved_storage_path(), job.id))
         if frozen_step is None or found is None:
             out["error"] = "the job did not freeze, or has no complete checkpoint"
             return out
@@ -261,7 +253,7 @@ class Runner:
         def corrupted() -> bool:
             return any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp"))
 
-        if not _wait(corrupted, 60):
+        if not poll(corrupted, 60):
             out["error"] = "the checkpoint was not corrupted"
             return out
         fired = time.time()

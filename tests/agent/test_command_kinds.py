@@ -207,7 +207,7 @@ def test_throttle_runs_the_process_one_factor_th_of_the_time(executor, procs, ra
     r = executor.run(CommandKind.UNTHROTTLE_PID, {"pid": p.pid})
     assert r.ok and r.output["was_throttled"]
     assert executor.throttled() == {}
-    share_after, stopped_after = measure(1.0)
+    _share_after, stopped_after = measure(1.0)
     assert stopped_after == 0  # running freely again
 
 
@@ -251,10 +251,10 @@ def test_fault_file_is_written_where_the_rank_looks(executor, tmp_path):
 
 @pytest.mark.parametrize("job_id", ["job_0123abcd", "../../etc", "a b/c"])
 def test_the_agent_writes_the_fault_file_where_the_trainer_reads_it(executor, tmp_path, job_id):
-    from trainer.faults import fault_path  # torch-free; imported by the test only, never by the agent
+    from controller.settings import fault_file_path
 
     r = executor.run(CommandKind.WRITE_FAULT_FILE, {"job_id": job_id, "rank": 7, "fault": {}})
-    assert r.ok and Path(r.output["path"]) == fault_path(tmp_path / "run", job_id, 7)
+    assert r.ok and Path(r.output["path"]) == fault_file_path(tmp_path / "run", job_id, 7)
 
 
 def test_a_fault_the_rank_already_took_is_not_written_again(executor, tmp_path):

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from controller.schemas import CheckpointSample, JobCreate, StepSample
+from controller.settings import FAULT_FIRED_SUFFIX, fault_file_path
 from examples.gpt_pydoc.gpt_train import train
 from trainer import checkpoint
 from trainer.comm import CollectiveRecord
-from trainer.faults import FIRED_SUFFIX, NAN_LOSS, SLOW_RANK, FaultHook, fault_path
+from trainer.faults import NAN_LOSS, SLOW_RANK, FaultHook
 from trainer.sdk import RankContext
 
 
@@ -31,8 +32,8 @@ def _write(path: Path, body: Any) -> None:
 
 
 def test_fault_path_is_per_job_and_rank(tmp_path: Path) -> None:
-    assert fault_path(tmp_path, "job-1", 3) == tmp_path / "faults" / "job-1" / "rank-3.json"
-    assert ".." not in fault_path(tmp_path, "../../x", 0).relative_to(tmp_path).parts  # slugged
+    assert fault_file_path(tmp_path, "job-1", 3) == tmp_path / "faults" / "job-1" / "rank-3.json"
+    assert ".." not in fault_file_path(tmp_path, "../../x", 0).relative_to(tmp_path).parts  # slugged
 
 
 def test_no_file_no_fault(tmp_path: Path) -> None:
@@ -48,7 +49,7 @@ def test_fires_once_at_its_step_and_is_renamed(tmp_path: Path) -> None:
     assert hook.check(3) is None and hook.check(4) is None and path.exists()
     fault = hook.check(5)
     assert fault is not None and (fault.kind, fault.step, fault.fault_id) == (NAN_LOSS, 5, 9)
-    assert not path.exists() and path.with_name(path.name + FIRED_SUFFIX).exists()
+    assert not path.exists() and path.with_name(path.name + FAULT_FIRED_SUFFIX).exists()
     assert hook.check(6) is None
     # After a rollback to a step before 5, a fresh hook (a restarted rank) does not fire it again.
     restarted = FaultHook(path)
@@ -106,7 +107,7 @@ SPEC = JobCreate(
 def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refire(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    root, fault = tmp_path / "ckpt", fault_path(tmp_path / "run", "job-nan", 0)
+    root, fault = tmp_path / "ckpt", fault_file_path(tmp_path / "run", "job-nan", 0)
     _write(fault, {"kind": NAN_LOSS, "step": 5, "fault_id": 1})
     sink = Sink()
 
@@ -125,7 +126,7 @@ def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refi
     assert first.checkpoints == [2, 4] and first.skipped_checkpoints == [6, 8]
     assert [s for s, _ in checkpoint.list_step_dirs(root)] == [2, 4]
     assert [(c.step, c.valid) for c in sink.checkpoints] == [(2, True), (4, True)]
-    assert not fault.exists() and fault.with_name(fault.name + FIRED_SUFFIX).exists()
+    assert not fault.exists() and fault.with_name(fault.name + FAULT_FIRED_SUFFIX).exists()
 
     # Rollback: a restart restores step 4, the last good state, and the fault stays fired.
     again = train(SPEC, ctx(Sink()))
@@ -138,7 +139,7 @@ def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refi
 def test_slow_rank_fault_makes_the_compute_phase_factor_times_longer_until_reset(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    fault = fault_path(tmp_path / "run", "job-slow", 0)
+    fault = fault_file_path(tmp_path / "run", "job-slow", 0)
     # A compute phase of tens of milliseconds, so that a sleep's overshoot (~0.1 ms) is noise.
     spec = JobCreate.model_validate({**SPEC.model_dump(), "steps": 24, "batch_size": 32,
                                      "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "context": 64},

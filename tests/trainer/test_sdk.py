@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from controller.schemas import CheckpointSample, JobCreate, StepSample
+from controller.settings import fault_file_path
 from tests.trainer.optim.harness import run_ranks
 from trainer import sdk as vigil
 from trainer.comm import CollectiveRecord
-from trainer.faults import NAN_LOSS, SLOW_RANK, fault_path
+from trainer.faults import NAN_LOSS, SLOW_RANK
 from trainer.optim import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +136,7 @@ def test_restore_resumes_bitwise_where_the_checkpoint_left_off(tmp_path: Path) -
 
 
 def test_nan_fault_poisons_a_user_model_for_real_and_is_never_checkpointed(tmp_path: Path) -> None:
-    fault = fault_path(tmp_path / "run", "job-nan", 0)
+    fault = fault_file_path(tmp_path / "run", "job-nan", 0)
     fault.parent.mkdir(parents=True)
     fault.write_text(f'{{"kind": "{NAN_LOSS}", "step": 2, "fault_id": 1}}')
     sink = Sink()
@@ -150,7 +151,7 @@ def test_nan_fault_poisons_a_user_model_for_real_and_is_never_checkpointed(tmp_p
 
 
 def test_slow_fault_stretches_the_compute_of_an_unmarked_loop(tmp_path: Path) -> None:
-    fault = fault_path(tmp_path / "run", "job-slow", 0)
+    fault = fault_file_path(tmp_path / "run", "job-slow", 0)
     fault.parent.mkdir(parents=True)
     fault.write_text(f'{{"kind": "{SLOW_RANK}", "step": 4, "factor": 20.0}}')
     sink = Sink()
