@@ -17,7 +17,7 @@ run: $(STAMP)
 	$(VENV)/bin/vigil up
 
 ## make test: the whole suite (unit, integration with real Ray / PostgreSQL / Chromium, end-to-end)
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25
 
 test-fast: $(STAMP)
@@ -32,7 +32,7 @@ browser:
 	fi
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check agent controller dashboard trainer migrations tests
+	$(VENV)/bin/ruff check agent controller dashboard trainer migrations tests examples
 
 clean:
 	rm -rf $(VENV) .vigil .pytest_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
+
 from controller.db import make_engine
 from controller.models import Base
 

@@ -44,7 +44,7 @@ def _ensure_postgres() -> str | None:
         if versions.is_dir():
             for v in sorted(versions.iterdir()):
                 subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", v.name, "main", "start"],
-                               capture_output=True, timeout=60)
+                               check=False, capture_output=True, timeout=60)
             try:
                 _pg_connect().close()
                 return None

@@ -60,5 +60,6 @@ def test_runtime_imports_respect_boundaries(modules: list[str], forbidden: list[
         f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
         f"bad = [m for m in {forbidden!r} if m in sys.modules]\nprint(bad)\nsys.exit(1 if bad else 0)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       check=False)
     assert r.returncode == 0, f"importing {modules} pulled in {r.stdout.strip()} {r.stderr[-2000:]}"

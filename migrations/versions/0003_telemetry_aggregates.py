@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-
 revision: str = '0003_telemetry_aggregates'
 down_revision: str | None = '0002_tokens'
 branch_labels: str | Sequence[str] | None = None

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-
 revision: str = '0004_recovery'
 down_revision: str | None = '0003_telemetry_aggregates'
 branch_labels: str | Sequence[str] | None = None

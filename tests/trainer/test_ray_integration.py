@@ -182,7 +182,7 @@ def test_python_m_trainer_runs_ray_train_to_the_end(first_run: Any, run_driver: 
     assert {n for n, s in received if s["kind"] == "step"} <= set(NODE_NAMES)
     collectives = [s for _, s in received if s["kind"] == "collective"]
     # Every step's, and the start-up broadcast of rank 0's weights (step 0), all through the layer.
-    assert {(c["rank"], c["step"]) for c in collectives} == {(r, s) for r in (0, 1) for s in range(0, STEPS + 1)}
+    assert {(c["rank"], c["step"]) for c in collectives} == {(r, s) for r in (0, 1) for s in range(STEPS + 1)}
     assert {(c["op"], c["tag"]) for c in collectives if c["step"] == 0} == {("broadcast", "init")}
 
     # Checkpoints: DCP folders under the job's root (steps 5 and 10, keep_last 2), each valid.

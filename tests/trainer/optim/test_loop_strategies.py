@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from controller.schemas import JobCreate
-from tests.trainer.optim.harness import run_ranks
 from examples.gpt_pydoc.gpt_train import train
+from tests.trainer.optim.harness import run_ranks
 from trainer.sdk import RankContext
 
 TIMEOUT = 300
