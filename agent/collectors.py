@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import psutil
 
 from controller.background import BackgroundLoop
+from controller.link import parse_proc_net_dev
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,6 @@ class HostCollector:
 # NICs
 # --------------------------------------------------------------------------------------------------
 
-_RX_FIELDS = ("bytes", "packets", "errs", "drop", "fifo", "frame", "compressed", "multicast")
-_TX_FIELDS = ("bytes", "packets", "errs", "drop", "fifo", "colls", "carrier", "compressed")
 #: Counters turned into per-second rates, and the names they are reported under.
 _RATED = {
     "rx_bytes": "rx_bytes_per_s",
@@ -142,24 +141,6 @@ _RATED = {
 }
 
 
-def parse_proc_net_dev(text: str) -> dict[str, dict[str, int]]:
-    """Counters per interface from the text of ``/proc/net/dev`` (``rx_bytes``, ``tx_errs``, ...)."""
-    out: dict[str, dict[str, int]] = {}
-    for line in text.splitlines():
-        name, sep, rest = line.partition(":")
-        if not sep or "|" in line:  # the two header lines
-            continue
-        values = rest.split()
-        if len(values) < len(_RX_FIELDS) + len(_TX_FIELDS):
-            continue
-        try:
-            numbers = [int(v) for v in values]
-        except ValueError:
-            continue
-        counters = {f"rx_{f}": v for f, v in zip(_RX_FIELDS, numbers[:8])}
-        counters.update({f"tx_{f}": v for f, v in zip(_TX_FIELDS, numbers[8:16])})
-        out[name.strip()] = counters
-    return out
 
 
 class NicCollector:

@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from controller.netns import (
+from controller.link import (
     IFACE,
     IFB_RX,
     NS_PREFIX,

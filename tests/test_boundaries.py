@@ -1,5 +1,14 @@
-"""Package boundaries of DESIGN.md: agent and dashboard import neither torch nor ray; the controller
-never imports the trainer; the trainer never imports the examples (they are user code on its API). Checked twice: statically over the sources, and in a fresh interpreter.
+"""Package boundaries of DESIGN.md, the whole layering:
+
+    operator tools (controller/cli, localcluster, netns, controller/bench, trainer/bench): may compose anything
+    server (the rest of controller/)   agent   trainer   dashboard   examples
+    the contract (CONTRACT below): standard library, pydantic, httpx; nothing of the packages above
+
+Agent and dashboard import neither torch nor ray; the server never imports the trainer, the agent or
+the dashboard (the dashboard mount in controller/app.py excepted) nor the operator tools; agent,
+trainer, dashboard and examples take from controller/ only the contract; the trainer never imports
+the examples (they are user code on its API). Checked twice: statically over the sources, and in a
+fresh interpreter.
 """
 
 from __future__ import annotations
@@ -26,15 +35,43 @@ EXEMPT = ("trainer/bench/",)
 """Benchmarks are operator tools that compose the packages (they run the examples)."""
 
 
-def _imports(path: Path) -> set[str]:
+CONTRACT = frozenset({
+    "controller.schemas", "controller.client", "controller.settings", "controller.optimizer_params",
+    "controller.checkpoint_layout", "controller.probe", "controller.background", "controller.link",
+})
+"""What every package may import from controller/: wire models, the typed client, settings and the
+shared paths, optimizer params, the checkpoint layout, waiting, background loops, link shaping."""
+OPERATOR = ("controller/cli/", "controller/localcluster.py", "controller/netns.py", "controller/bench/",
+            "trainer/bench/")
+"""Composition roots: they start and wire the packages together."""
+DASHBOARD_MOUNT = "controller/app.py"
+
+
+def _modules(path: Path) -> set[str]:
+    """Full names of the modules ``path`` imports (``from controller import netns``: controller.netns)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
+            out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module.split(".")[0])
+            if node.module in {"controller", "agent", "trainer", "dashboard"}:  # from controller import netns
+                out |= {f"{node.module}.{a.name}" for a in node.names}
+            else:
+                out.add(node.module)
     return out
+
+
+def _imports(path: Path) -> set[str]:
+    return {m.split(".")[0] for m in _modules(path)}
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _sources(*packages: str) -> list[Path]:
+    return [p for pkg in packages for p in (ROOT / pkg).rglob("*.py")]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -45,6 +82,44 @@ def test_sources_respect_boundaries(package: str) -> None:
         if _imports(p) & FORBIDDEN[package] and not str(p.relative_to(ROOT)).startswith(EXEMPT)
     }
     assert offenders == {}, f"{package} imports what it must not: {offenders}"
+
+
+def _from_controller(path: Path) -> set[str]:
+    return {m for m in _modules(path) if m.startswith("controller.") or m == "controller"}
+
+
+def test_packages_take_only_the_contract_from_the_controller() -> None:
+    offenders = {
+        _rel(p): sorted(bad) for p in _sources("agent", "trainer", "dashboard", "examples")
+        if not _rel(p).startswith(OPERATOR) and (bad := _from_controller(p) - CONTRACT)
+    }
+    assert offenders == {}, f"imports of the controller's inside (not the contract): {offenders}"
+
+
+def test_the_contract_stands_alone() -> None:
+    offenders = {}
+    for name in CONTRACT:
+        path = ROOT / (name.replace(".", "/") + ".py")
+        bad = (_from_controller(path) - CONTRACT) | (_imports(path) & {"agent", "trainer", "dashboard", "torch", "ray"})
+        if bad:
+            offenders[name] = sorted(bad)
+    assert offenders == {}, f"the contract imports more than itself: {offenders}"
+
+
+def test_the_server_imports_no_operator_tool_and_no_other_package() -> None:
+    operator_modules = {"controller.cli", "controller.localcluster", "controller.netns", "controller.bench"}
+    offenders = {}
+    for p in _sources("controller"):
+        rel = _rel(p)
+        if rel.startswith(OPERATOR):
+            continue
+        bad = {m for m in _modules(p) if m.split(".")[0] in {"agent", "trainer", "examples"}
+               or any(m == o or m.startswith(o + ".") for o in operator_modules)}
+        if rel != DASHBOARD_MOUNT:
+            bad |= {m for m in _modules(p) if m.split(".")[0] == "dashboard"}
+        if bad:
+            offenders[rel] = sorted(bad)
+    assert offenders == {}, f"the server reaches up or sideways: {offenders}"
 
 
 @pytest.mark.parametrize(

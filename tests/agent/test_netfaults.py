@@ -16,7 +16,7 @@ import pytest
 
 from agent import netfaults
 from agent.netfaults import LinkCollector, NetFaults
-from controller.netns import LinkSpec, shape_commands
+from controller.link import LinkSpec, shape_commands
 
 NS = "vigil-abc123-n1"
 

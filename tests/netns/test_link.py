@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from controller import netns
+from controller.link import parse_rate
 from tests.netns.harness import agent_view, in_namespaces, network, skip_reason, timed_all_reduce
 
 pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(300)]
@@ -111,7 +112,7 @@ def test_link_spec_is_validated() -> None:
         netns.LinkSpec(loss=120)
     with pytest.raises(ValueError, match="jitter"):
         netns.LinkSpec(jitter="1ms")
-    assert netns.parse_rate("1gbit") == 1_000_000_000 and netns.parse_rate("50Mbit") == 50_000_000
+    assert parse_rate("1gbit") == 1_000_000_000 and parse_rate("50Mbit") == 50_000_000
     assert netns.LinkSpec.from_json(netns.LinkSpec(rate="1gbit", loss=0.5).to_json()) == \
         netns.LinkSpec(rate="1gbit", loss=0.5)
 

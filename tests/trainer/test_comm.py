@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from controller.netns import unavailable_reason
+from controller.link import unavailable_reason
 from tests.trainer.optim.harness import run_ranks
 from trainer.bench.netns_ranks import enter_namespace
 from trainer.comm import Comm, _PendingCuda

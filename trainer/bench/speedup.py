@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from controller import netns
+from controller.link import parse_rate
 from controller.schemas import JobCreate, ModelSpec, StepSample
 from trainer import sdk
 from trainer.bench.comm import CONFIGS as COMM_CONFIGS
@@ -163,7 +164,7 @@ def summarize(cfg: BenchConfig, link: str, per_rank: list[dict[str, Any]], steps
               batch: int) -> dict[str, Any]:
     """One output entry (without ``speedup_vs_adamw``) from the ranks' raw timings."""
     entry: dict[str, Any] = {"optimizer": cfg.name, "params": cfg.params, "link": link,
-                             "link_bps": netns.parse_rate(link)}
+                             "link_bps": parse_rate(link)}
     errors = sorted({r["error"] for r in per_rank if "error" in r})
     if errors:
         entry["error"] = "; ".join(errors)
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     links = tuple(x.strip() for x in args.links.split(",") if x.strip())
     try:
         for link in links:
-            netns.parse_rate(link)
+            parse_rate(link)
     except ValueError as exc:
         parser.error(str(exc))
     if args.steps < 1 or args.warmup < 0:
