@@ -16,12 +16,12 @@ import pytest
 
 from agent.collectors import (
     CollectorLoop,
-    GpuCollector,
     HostCollector,
     InfinibandCollector,
     NicCollector,
-    parse_proc_net_dev,
 )
+from agent.gpu import GpuCollector
+from controller.link import parse_proc_net_dev
 from tests.agent.doubles import FakeClock
 
 HEADER = (
