@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX
 from controller.settings import (
     DEFAULT_STORAGE_PATH,
+    ENV_AGENT_TOKEN,
     ENV_STORAGE_PATH,
+    ENV_TOKEN,
     agent_socket_path,
     get_settings,
     storage_path_from_env,
@@ -23,9 +25,9 @@ from controller.settings import (
 log = logging.getLogger(__name__)
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-TOKEN_ENV = "VIGIL_AGENT_TOKEN"
+TOKEN_ENV = ENV_AGENT_TOKEN
 """Checked first: an agent-specific token wins over a general ``VIGIL_TOKEN`` in the same environment."""
-TOKEN_ENVS = (TOKEN_ENV, "VIGIL_TOKEN")
+TOKEN_ENVS = (TOKEN_ENV, ENV_TOKEN)
 
 
 class AgentConfig(BaseModel):

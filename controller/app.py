@@ -24,7 +24,14 @@ from controller.limits import BodySizeLimit, validation_error_handler
 from controller.prometheus import make_registry
 from controller.recovery.monitor import Monitor
 from controller.schemas import Health, Role
-from controller.settings import ENV_STORAGE_PATH, Settings, get_settings
+from controller.settings import (
+    ENV_CONTROLLER_URL,
+    ENV_HOME,
+    ENV_RUN_DIR,
+    ENV_STORAGE_PATH,
+    Settings,
+    get_settings,
+)
 from controller.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -46,8 +53,8 @@ def healthz(session: SessionDep) -> Health:
 
 def job_env(settings: Settings) -> dict[str, str]:
     """Environment every launched job gets, so its ranks find their node's agent."""
-    return {"VIGIL_RUN_DIR": str(settings.run_dir), "VIGIL_CONTROLLER_URL": settings.controller_url,
-            "VIGIL_HOME": str(settings.home.resolve()),
+    return {ENV_RUN_DIR: str(settings.run_dir), ENV_CONTROLLER_URL: settings.controller_url,
+            ENV_HOME: str(settings.home.resolve()),
             ENV_STORAGE_PATH: str(settings.resolved_storage_path())}
 
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from controller.packages import package_path
 from controller.schemas import JobCreate, JobStatus
+from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,8 @@ class RayJobLauncher:
         local zip to the cluster and unpacks it as the working directory of the driver and of every
         rank), its pip requirements (installed by Ray on each node)."""
         env_vars = {
-            "VIGIL_JOB_ID": job_id,
-            "VIGIL_JOB_SPEC": json.dumps(spec.model_dump(mode="json")),
+            ENV_JOB_ID: job_id,
+            ENV_JOB_SPEC: json.dumps(spec.model_dump(mode="json")),
             "RAY_TRAIN_V2_ENABLED": "1",
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",

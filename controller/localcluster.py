@@ -29,11 +29,11 @@ import psutil
 from controller.netns import LinkSpec, NetnsCluster
 from controller.netns import cleanup_stale as cleanup_stale_netns
 from controller.probe import free_port, wait_for
-from controller.settings import Settings, agent_socket_path
+from controller.settings import SECRET_ENVS, Settings, agent_socket_path
 
 # Variables that must not leak from the user's shell into the processes `vigil up` starts: each gets
 # exactly the token it needs (the agents an agent token; Ray jobs their own job token).
-_TOKEN_ENV = ("VIGIL_TOKEN", "VIGIL_AGENT_TOKEN", "VIGIL_DASHBOARD_TOKEN")
+_TOKEN_ENV = SECRET_ENVS
 
 log = logging.getLogger(__name__)
 

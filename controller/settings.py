@@ -106,6 +106,23 @@ def admin_token_path(home: Path) -> Path:
     return Path(home) / "admin-token"
 
 
+# The environment variables that cross process boundaries (the controller sets them for a job's driver
+# and ranks, `vigil up` for the agents and the dashboard). Settings fields read their own VIGIL_<FIELD>.
+ENV_HOME = "VIGIL_HOME"
+ENV_RUN_DIR = "VIGIL_RUN_DIR"
+ENV_CONTROLLER_URL = "VIGIL_CONTROLLER_URL"
+ENV_TOKEN = "VIGIL_TOKEN"
+"""A bearer token: the CLI's, or a job driver's own (role job)."""
+ENV_AGENT_TOKEN = "VIGIL_AGENT_TOKEN"
+"""An agent's token; wins over ``VIGIL_TOKEN`` in the agent's environment."""
+ENV_DASHBOARD_TOKEN = "VIGIL_DASHBOARD_TOKEN"
+SECRET_ENVS = (ENV_AGENT_TOKEN, ENV_TOKEN, ENV_DASHBOARD_TOKEN)
+"""Never passed on to processes that do not need them (a raylet the agent restarts, a shell's children)."""
+ENV_JOB_ID = "VIGIL_JOB_ID"
+ENV_JOB_SPEC = "VIGIL_JOB_SPEC"
+"""The job spec as JSON (``JobCreate``), for its driver."""
+ENV_CHECKPOINT_ROOT = "VIGIL_CHECKPOINT_ROOT"
+"""A standalone rank's checkpoint root (outside a Vigil job)."""
 ENV_STORAGE_PATH = "VIGIL_STORAGE_PATH"
 """Where checkpoints live (a folder every node sees): the controller sets it for the job's driver and
 ranks, and ``vigil up`` for the agents."""

@@ -17,6 +17,7 @@ from controller.jobs import active_jobs, record_event, transition
 from controller.launcher import JobLauncher, LaunchError
 from controller.models import Job
 from controller.schemas import STORED, JobCreate, JobStatus, Role, TokenCreate
+from controller.settings import ENV_TOKEN
 from controller.tokens import create_token, revoke_job_tokens
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Supervisor(BackgroundLoop):
             # nothing else; transition() revokes it when the job ends.
             issued = create_token(session, TokenCreate(role=Role.JOB, job_id=job.id, name=f"driver of {job.id}"))
             try:
-                job.ray_job_id = self.launcher.submit(job.id, spec, {**self.job_env, "VIGIL_TOKEN": issued.token})
+                job.ray_job_id = self.launcher.submit(job.id, spec, {**self.job_env, ENV_TOKEN: issued.token})
             except LaunchError as exc:
                 revoke_job_tokens(session, job.id)
                 # Ray's job API refuses for a while after a cluster starts ("No available agent to

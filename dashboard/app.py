@@ -31,6 +31,7 @@ import dash
 from dash import _callback as dash_callback
 from dash import dcc, html
 
+from controller.settings import ENV_TOKEN
 from dashboard.context import CONFIG_KEY, REFRESH_MS, DashboardConfig
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8050, help="port to bind")
     p.add_argument(
         "--token",
-        default=os.environ.get("VIGIL_TOKEN"),
+        default=os.environ.get(ENV_TOKEN),
         help="bearer token for the controller (env VIGIL_TOKEN)",
     )
     p.add_argument("--refresh-ms", type=int, default=REFRESH_MS, help="how often pages poll the controller")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from controller.schemas import DataSpec
+from controller.settings import ENV_HOME
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def default_cache_dir() -> Path:
     """``$VIGIL_CACHE_DIR``, else ``$VIGIL_HOME/cache``, else ``~/.cache/vigil``."""
     if d := os.environ.get("VIGIL_CACHE_DIR"):
         return Path(d)
-    if h := os.environ.get("VIGIL_HOME"):
+    if h := os.environ.get(ENV_HOME):
         return Path(h) / "cache"
     return Path.home() / ".cache" / "vigil"
 

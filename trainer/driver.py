@@ -46,13 +46,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from controller.schemas import JobCreate, slugify
-from controller.settings import storage_path_from_env
+from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC, ENV_RUN_DIR, storage_path_from_env
 
 log = logging.getLogger(__name__)
 
-ENV_JOB_ID = "VIGIL_JOB_ID"
-ENV_JOB_SPEC = "VIGIL_JOB_SPEC"
-ENV_RUN_DIR = "VIGIL_RUN_DIR"
 RAY_TRAIN_ENV_DEFAULTS: dict[str, str] = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",

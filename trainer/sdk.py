@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from controller.schemas import JobCreate
+from controller.settings import ENV_CHECKPOINT_ROOT, ENV_JOB_ID
 from trainer.rank.context import (
     MAX_PREEMPTION_CHECK_STEPS,
     PHASES,
@@ -103,10 +104,10 @@ def init(ctx: RankContext | None = None, spec: JobCreate | None = None,
         return _current
     if ctx is None:
         distributed = dist.is_available() and dist.is_initialized()
-        root = os.environ.get("VIGIL_CHECKPOINT_ROOT")
+        root = os.environ.get(ENV_CHECKPOINT_ROOT)
         ctx = RankContext(rank=dist.get_rank() if distributed else 0,
                           world_size=dist.get_world_size() if distributed else 1,
-                          job_id=os.environ.get("VIGIL_JOB_ID") or "local",
+                          job_id=os.environ.get(ENV_JOB_ID) or "local",
                           checkpoint_root=Path(root) if root else None)
         _current = Session(ctx, spec, config)
         atexit.register(close)  # nobody else closes a session made here: wait for its last checkpoint

@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
+from controller.settings import SECRET_ENVS
+
 #: agent's token to every Ray worker); the same list `vigil up` keeps out of Ray's environment.
-SECRET_ENV = ("VIGIL_AGENT_TOKEN", "VIGIL_TOKEN", "VIGIL_DASHBOARD_TOKEN")
+SECRET_ENV = SECRET_ENVS
 
 _STOPPED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 _GONE_STATES = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
