@@ -346,7 +346,7 @@ def start_local_cluster(
     try:
         common = ["--block", f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
         # The head runs no ranks (as Ray advises for real clusters): it holds the GCS, every job's driver
-        # and Ray Train controller, and is the one node Vigil never evicts (recovery/monitor.py).
+        # and Ray Train controller, and is the one node Vigil never evicts (recovery/actions.py).
         head_cpus = 0
         procs.start("ray-head", [ray_bin, "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_temp}",
                                  "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",

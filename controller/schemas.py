@@ -269,11 +269,66 @@ class RecoveryPolicy(str, enum.Enum):
     ROLLBACK = "rollback"
 
 
+class RecoveryThresholds(_Strict):
+    """The detectors' thresholds for this job (docs/RECOVERY.md, "Detection"). Every field has a default.
+
+    Monitor-wide values that judge nodes rather than jobs (the heartbeat timeout) are controller
+    settings, not here.
+    """
+
+    death_grace_s: float = Field(
+        1.5, ge=0.0, le=60.0,
+        description="rank_died: after a rank is seen dead, wait this long for every agent's report before naming "
+        "the rank that died first.")
+    hang_k: float = Field(
+        10.0, gt=0.0, le=1000.0, description="hang: no new step for max(hang_k x median step time, hang_floor_s).")
+    hang_floor_s: float = Field(
+        15.0, gt=0.0, le=86_400.0, description="hang: the shortest silence that counts as a hang, in seconds.")
+    stack_wait_s: float = Field(
+        10.0, ge=0.0, le=600.0,
+        description="hang: how long to wait for every rank's py-spy stack before deciding without the missing ones.")
+    straggler_ratio: float = Field(
+        1.7, ge=1.0, le=100.0,
+        description="straggler: over the last straggler_m scored steps, a rank's median compute (or lateness) is "
+        "at least this many times its peers' median ...")
+    straggler_own_ratio: float = Field(
+        1.4, ge=1.0, le=100.0, description="straggler: ... and this many times its own recent median ...")
+    straggler_step_ratio: float = Field(
+        1.2, ge=1.0, le=100.0,
+        description="straggler: ... and slower than its peers by this factor in at least straggler_k of those steps "
+        "(persistence) ...")
+    straggler_k: int = Field(6, ge=1, le=100, description="straggler: steps of the window that must be slow (k of m).")
+    straggler_m: int = Field(
+        10, ge=1, le=100, description="straggler: the window of scored steps (also bounds how much is read per pass).")
+    straggler_min_excess_s: float = Field(
+        0.025, ge=0.0, le=60.0, description="straggler: ... and its excess over its peers is at least this many seconds ...")
+    straggler_min_share: float = Field(
+        0.25, ge=0.0, le=1.0, description="straggler: ... and at least this share of the median step time.")
+    checkpoint_settle_s: float = Field(
+        0.25, ge=0.0, le=3600.0,
+        description="straggler: steps in a checkpoint's shadow are scored again this long after it completed.")
+    spike_ratio: float = Field(
+        3.0, gt=1.0, le=1000.0, description="loss_spike: a loss above this many times the recent median.")
+    drain_deadline_s: float = Field(
+        5.0, gt=0.0, le=3600.0, description="eviction: the ranks on a drained node get this long to checkpoint.")
+    restart_gap_s: float = Field(
+        5.0, gt=0.0, le=3600.0,
+        description="a pause this long in the job's steps after a recovery action counts as its restart.")
+
+    @model_validator(mode="after")
+    def _k_le_m(self) -> RecoveryThresholds:
+        if self.straggler_k > self.straggler_m:
+            raise ValueError(f"straggler_k ({self.straggler_k}) must be <= straggler_m ({self.straggler_m})")
+        return self
+
+
 class RecoverySpec(_Strict):
     """What the controller does when it detects a fault in this job."""
 
     policy: RecoveryPolicy = Field(RecoveryPolicy.EVICT_RESTART, description="observe | evict_restart | rollback.")
     max_restarts: int = Field(3, ge=0, le=100, description="Restarts without progress before the job FAILS.")
+    thresholds: RecoveryThresholds = Field(
+        default_factory=RecoveryThresholds, description="The detectors' thresholds for this job (defaults: docs/RECOVERY.md).")
 
 
 DEFAULT_ENTRYPOINT = "examples.gpt_pydoc.gpt_train:train_func"

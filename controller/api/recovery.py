@@ -11,7 +11,7 @@ from controller import jobs as job_service
 from controller.api.deps import JobId, NodeId, RowId, SessionDep
 from controller.models import Fault, Incident, Node, StackDump
 from controller.recovery import checkpoints, commands, faults
-from controller.recovery.monitor import HeadNodeError, evict_node, is_head_node, readmit_node
+from controller.recovery.actions import HeadNodeError, evict_node, is_head_node, readmit_node, restart_job
 from controller.recovery.stacks import group_stacks
 from controller.schemas import (
     ID_PATTERN,
@@ -139,12 +139,13 @@ def recover_job(job_id: JobId, body: RecoverRequest, session: SessionDep, reques
     job = _job(session, job_id)
     if job.status != JobStatus.RUNNING.value:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job_id!r} is {job.status}, not RUNNING")
+    monitor = request.app.state.monitor
     if body.evict_node is not None:
         _node(session, body.evict_node)
-        if is_head_node(request.app.state.monitor.cluster, body.evict_node):
+        if is_head_node(monitor.cluster, body.evict_node):
             raise HTTPException(status.HTTP_409_CONFLICT,
                                 detail=f"evict_node: {body.evict_node!r} is the Ray head and is never evicted")
-    inc = request.app.state.monitor.restart_job(session, job, body.reason, body.evict_node)
+    inc = restart_job(session, monitor.cluster, job, body.reason, body.evict_node, clock=monitor.clock)
     return _incident_public(inc)
 
 

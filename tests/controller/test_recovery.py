@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from controller.app import create_app
 from controller.launcher import LaunchStatus, RayNode
-from controller.recovery.monitor import Monitor, Thresholds
+from controller.recovery.monitor import Monitor
 from controller.recovery.stacks import group_stacks, signature
 from controller.schemas import JobStatus
 from controller.settings import Settings
@@ -105,7 +105,7 @@ def env(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Env]:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
     launcher, cluster, clock = FakeLauncher(), FakeCluster(), Clock()
     app = create_app(settings, launcher, cluster=cluster, background=False, mount_dashboard=False)
-    monitor = Monitor(app.state.sessions, launcher, cluster, thresholds=Thresholds(), clock=clock)
+    monitor = Monitor(app.state.sessions, launcher, cluster, clock=clock)
     app.state.monitor = monitor
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         e = Env(c, monitor, clock, cluster, launcher)

@@ -1,0 +1,157 @@
+"""The detectors' read layer: every query the recovery code runs against stored telemetry, nodes and
+incidents. Read-only; each function takes the session and returns rows or plain values.
+
+Kept in one place so that what the detectors look at (and how much of it, per pass) can be read at a
+glance, and so that detectors stay pure functions over what these return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Row, func, select
+from sqlalchemy.orm import Session
+
+from controller.models import Checkpoint, CollectiveMetric, Incident, Job, Node, StackDump, StepMetric
+from controller.recovery import faults
+from controller.recovery.faults import RankLocation
+from controller.schemas import IncidentKind, IncidentStatus, JobStatus, NodeState
+
+LIVE = (IncidentStatus.OPEN.value, IncidentStatus.ACTING.value)
+"""Statuses of an incident that is still under way."""
+
+
+def _ts(value: datetime) -> float:
+    return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
+
+
+# -- jobs, nodes -----------------------------------------------------------------------------------------
+
+
+def running_jobs(s: Session) -> Sequence[Job]:
+    return s.scalars(select(Job).where(Job.status == JobStatus.RUNNING.value)).all()
+
+
+def alive_nodes(s: Session) -> Sequence[Node]:
+    return s.scalars(select(Node).where(Node.state == NodeState.ALIVE.value)).all()
+
+
+def rank_locations(s: Session, job_id: str) -> dict[int, RankLocation]:
+    """Where each rank of the job runs (node, pid, alive), from the newest heartbeats."""
+    return faults.rank_locations(s, job_id)
+
+
+# -- incidents -------------------------------------------------------------------------------------------
+
+
+def live(s: Session, job_id: str, kind: IncidentKind) -> Incident | None:
+    """An incident of ``kind`` of the job that is still under way (OPEN or ACTING), if any."""
+    return s.scalar(select(Incident).where(Incident.job_id == job_id, Incident.kind == kind.value,
+                                           Incident.status.in_(LIVE)).limit(1))
+
+
+def recovering(s: Session, job_id: str) -> bool:
+    """Whether the job has an incident under way other than a loss spike (which never acts)."""
+    return s.scalar(select(Incident.id).where(Incident.job_id == job_id, Incident.status.in_(LIVE),
+                                              Incident.kind != IncidentKind.LOSS_SPIKE.value).limit(1)) is not None
+
+
+def acting(s: Session, job_id: str) -> Sequence[Incident]:
+    return s.scalars(select(Incident).where(Incident.job_id == job_id,
+                                            Incident.status == IncidentStatus.ACTING.value)).all()
+
+
+def open_node_losses(s: Session) -> Sequence[Incident]:
+    return s.scalars(select(Incident).where(Incident.kind == IncidentKind.NODE_LOST.value,
+                                            Incident.status == IncidentStatus.OPEN.value)).all()
+
+
+def death_seen(s: Session, job_id: str, rank: int, pid: int) -> bool:
+    """Whether this rank's death (this pid) is already a ``rank_died`` incident."""
+    return s.scalar(select(Incident.id).where(
+        Incident.job_id == job_id, Incident.kind == IncidentKind.RANK_DIED.value,
+        Incident.rank == rank, Incident.evidence["pid"].as_integer() == pid)) is not None
+
+
+def last_action_ts(s: Session, job_id: str) -> float:
+    """When Vigil last acted on one of the job's incidents (0 if never)."""
+    ts = s.scalar(select(func.max(Incident.acted_at)).where(Incident.job_id == job_id))
+    return 0.0 if ts is None else _ts(ts)
+
+
+def stack_dumps(s: Session, incident_id: int) -> Sequence[StackDump]:
+    return s.scalars(select(StackDump).where(StackDump.incident_id == incident_id)).all()
+
+
+# -- steps -----------------------------------------------------------------------------------------------
+
+
+def recent_losses(s: Session, job_id: str, limit: int = 200) -> Sequence[Row[Any]]:
+    """(rank, step, loss, ts) of the job's newest step samples, newest first."""
+    return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.loss, StepMetric.ts)
+                     .where(StepMetric.job_id == job_id).order_by(StepMetric.id.desc()).limit(limit)).all()
+
+
+def last_step_ts(s: Session, job_id: str) -> float | None:
+    return s.scalar(select(func.max(StepMetric.ts)).where(StepMetric.job_id == job_id))
+
+
+def recent_step_times(s: Session, job_id: str, limit: int = 100) -> Sequence[float]:
+    return s.scalars(select(StepMetric.step_time_s).where(StepMetric.job_id == job_id)
+                     .order_by(StepMetric.id.desc()).limit(limit)).all()
+
+
+def recent_compute(s: Session, job_id: str, limit: int) -> Sequence[Row[Any]]:
+    """(rank, step, fwd_bwd_s, step_time_s, ts) of the newest step samples, newest first."""
+    return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s,
+                            StepMetric.ts)
+                     .where(StepMetric.job_id == job_id).order_by(StepMetric.id.desc()).limit(limit)).all()
+
+
+def compute_history(s: Session, job_id: str, rank: int, before_step: int, limit: int = 50) -> Sequence[float]:
+    """The rank's forward+backward times of the ``limit`` steps before ``before_step``, newest first."""
+    return s.scalars(select(StepMetric.fwd_bwd_s).where(
+        StepMetric.job_id == job_id, StepMetric.rank == rank, StepMetric.step < before_step,
+        StepMetric.fwd_bwd_s.is_not(None)).order_by(StepMetric.step.desc()).limit(limit)).all()
+
+
+def work_rows(s: Session, job_id: str, steps: list[int]) -> Sequence[Row[Any]]:
+    """(rank, step, step_time_s, comm_s) of the given steps, newest sample first."""
+    return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.step_time_s, StepMetric.comm_s)
+                     .where(StepMetric.job_id == job_id, StepMetric.step.in_(steps))
+                     .order_by(StepMetric.id.desc())).all()
+
+
+def work_history(s: Session, job_id: str, rank: int, before_step: int, limit: int = 50) -> list[float]:
+    """The rank's work outside collectives (step time - comm) of the ``limit`` steps before ``before_step``."""
+    return [t - (c or 0.0) for t, c in s.execute(
+        select(StepMetric.step_time_s, StepMetric.comm_s).where(
+            StepMetric.job_id == job_id, StepMetric.rank == rank, StepMetric.step < before_step)
+        .order_by(StepMetric.step.desc()).limit(limit)).all()]
+
+
+def collective_calls(s: Session, job_id: str, steps: list[int], limit: int) -> Sequence[Row[Any]]:
+    """(rank, step, seq, duration_s) of the collectives of the given steps, at most ``limit`` rows."""
+    return s.execute(select(CollectiveMetric.rank, CollectiveMetric.step, CollectiveMetric.seq,
+                            CollectiveMetric.duration_s)
+                     .where(CollectiveMetric.job_id == job_id, CollectiveMetric.step.in_(steps))
+                     .limit(limit)).all()
+
+
+def checkpoint_times(s: Session, job_id: str) -> dict[int, float]:
+    """Step -> when the checkpoint taken at that step completed (unix time)."""
+    return {step: _ts(c) for step, c in s.execute(
+        select(Checkpoint.step, Checkpoint.created_at).where(Checkpoint.job_id == job_id)).all()}
+
+
+def rank0_max_step_until(s: Session, job_id: str, until: float) -> int | None:
+    return s.scalar(select(func.max(StepMetric.step)).where(StepMetric.job_id == job_id, StepMetric.rank == 0,
+                                                            StepMetric.ts <= until))
+
+
+def rank0_steps_after(s: Session, job_id: str, since: float) -> Sequence[Row[Any]]:
+    """(step, ts) of rank 0's samples after ``since``, oldest first."""
+    return s.execute(select(StepMetric.step, StepMetric.ts).where(
+        StepMetric.job_id == job_id, StepMetric.rank == 0, StepMetric.ts > since).order_by(StepMetric.ts)).all()
