@@ -1,0 +1,66 @@
+"""Nodes, events, logs and the service's health, as the API shows them."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+)
+
+from controller.schemas.telemetry import RankProcess
+
+# --------------------------------------------------------------------------------------------------
+# Read models
+# --------------------------------------------------------------------------------------------------
+
+
+class NodeState(str, enum.Enum):
+    ALIVE = "ALIVE"
+    DEAD = "DEAD"
+    EVICTED = "EVICTED"
+
+
+class NodePublic(BaseModel):
+    id: str
+    hostname: str
+    address: str
+    state: NodeState
+    agent_id: str | None
+    last_heartbeat: datetime | None
+    heartbeat_age_s: float | None
+    ranks: list[RankProcess] = []
+    host: dict[str, Any] = {}
+
+
+class NodesPublic(BaseModel):
+    data: list[NodePublic]
+    count: int
+
+
+class EventPublic(BaseModel):
+    id: int
+    ts: datetime
+    kind: str
+    job_id: str | None
+    node_id: str | None
+    message: str
+    data: dict[str, Any] = {}
+
+
+class EventsPublic(BaseModel):
+    data: list[EventPublic]
+    count: int
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    database: str
+    version: str
+
+
+class LogsPublic(BaseModel):
+    job_id: str
+    logs: str
