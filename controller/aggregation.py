@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,26 @@ class _KindRank:
 Kind = tuple[str, str, str]
 
 
+def fastest_of_calls(durations: Iterable[tuple[Hashable, float]]) -> dict[Hashable, float]:
+    """The fastest duration of each call, from ``(call, duration)`` pairs of every rank.
+
+    How Vigil splits the time inside a collective, here and in the straggler detector: the fastest
+    rank's duration is the transfer (it waited for nobody); every other rank's duration minus it is
+    that rank's *wait* for the last one to arrive (:func:`waits_in_call`).
+    """
+    fastest: dict[Hashable, float] = {}
+    for call, d in durations:
+        if call not in fastest or d < fastest[call]:
+            fastest[call] = d
+    return fastest
+
+
+def waits_in_call(per_rank: Mapping[int, float]) -> dict[int, float]:
+    """Each rank's wait inside one call: its duration minus the call's fastest (:func:`fastest_of_calls`)."""
+    fastest = min(per_rank.values())
+    return {rank: d - fastest for rank, d in per_rank.items()}
+
+
 def compute_step(job_id: str, step: int, step_rows: Iterable[Sequence[Any]],
                  coll_rows: Iterable[Sequence[Any]]) -> StepAggregates | None:
     """Aggregate one step from its raw rows (each iterable in arrival order, fields as ``_STEP_FIELDS``
@@ -131,12 +151,7 @@ def compute_step(job_id: str, step: int, step_rows: Iterable[Sequence[Any]],
     calls: dict[tuple[int, int], Sequence[Any]] = {}
     for c in coll_rows:
         calls[(c[0], c[1])] = c
-    # The fastest rank of each call: its duration is the transfer, the rest of everyone's is wait.
-    fastest: dict[int, float] = {}
-    for (_, seq), c in calls.items():
-        d = c[5]
-        if seq not in fastest or d < fastest[seq]:
-            fastest[seq] = d
+    fastest = fastest_of_calls((seq, c[5]) for (_, seq), c in calls.items())
     kinds: dict[Kind, dict[int, _KindRank]] = {}
     transfer: dict[Kind, dict[int, float]] = {}
     for (rank, seq), c in calls.items():

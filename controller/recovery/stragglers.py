@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
+from controller.aggregation import waits_in_call
 from controller.models import Job
 from controller.recovery import reads
 from controller.recovery.detectors import Finding
@@ -116,9 +117,8 @@ def late_rank(s: Session, job: Job, th: RecoveryThresholds, steps: list[int]) ->
     for (st, _), per_rank in durations.items():
         if len(per_rank) < 2:
             continue
-        fastest = min(per_rank.values())
-        for rank, d in per_rank.items():
-            wait[st][rank] += d - fastest
+        for rank, w in waits_in_call(per_rank).items():
+            wait[st][rank] += w
     late: dict[int, list[tuple[float, float]]] = defaultdict(list)  # rank -> [(lateness s, ratio)]
     for st in steps:
         ranks = wait.get(st, {})
