@@ -383,6 +383,8 @@ PARAMS_BY_KIND: dict[str, type[OptimizerParams]] = {
     "qsparse_local_sgd": QSparseParams,
     "compressed_adam": CompressedAdamParams,
 }
+OPTIMIZER_KINDS: tuple[str, ...] = tuple(PARAMS_BY_KIND)
+"""Every optimizer kind, in the order above (the job spec's ``optimizer.kind`` accepts exactly these)."""
 """Every ``optimizer.kind`` -> the class of its ``optimizer.params`` (a test keeps it equal to
 ``OptimizerKind`` and to the trainer's ``REGISTRY``)."""
 

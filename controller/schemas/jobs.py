@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from controller.optimizer_params import OptimizerParams, parse_optimizer_params
+from controller.optimizer_params import OPTIMIZER_KINDS, OptimizerParams, parse_optimizer_params
 from controller.schemas.common import (
     HOST_MAX_DEPTH,
     HOST_MAX_ITEMS,
@@ -68,25 +68,9 @@ _ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
 # Job spec
 # --------------------------------------------------------------------------------------------------
 
-OptimizerKind = Literal[
-    "adamw",
-    "powersgd",
-    "fp16_compress",
-    "local_adamw",
-    "slowmo",
-    "dsm",
-    "sdp4bit",
-    "sdp4bit_qw",
-    "sdp4bit_qwd",
-    "sdp4bit_tlq",
-    "sdp4bit_tlq_hs",
-    "sdp4bit_ulq",
-    "cser",
-    "cser_pl",
-    "ef_sgd",
-    "qsparse_local_sgd",
-    "compressed_adam",
-]
+OptimizerKind = Literal[OPTIMIZER_KINDS]  # type: ignore[valid-type]
+"""Every optimizer kind: the keys of ``controller.optimizer_params.PARAMS_BY_KIND`` (one list; the
+trainer's registry is checked against it by tests/trainer/optim/test_kinds.py)."""
 
 
 class ModelSpec(_Strict):
