@@ -14,7 +14,11 @@ from controller.settings import Settings
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """A session per request: committed when the handler returns, rolled back on any error."""
+    """A session per request: committed when the handler returns, rolled back on any error.
+
+    Scoped to the handler (``SessionDep``): the commit happens before the response is sent, so a
+    client told 2xx finds its write stored, and a commit that fails is an error answer, never a
+    success whose write was lost (with the default request scope FastAPI commits after sending)."""
     session: Session = request.app.state.sessions()
     try:
         yield session
@@ -30,7 +34,7 @@ def get_app_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 
 # Ids in paths: refused with 422 unless they look like what the controller hands out, so no odd

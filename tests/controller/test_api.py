@@ -11,9 +11,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from controller.app import create_app
 from controller.launcher import LaunchStatus
@@ -22,6 +25,7 @@ from controller.schemas import JobStatus
 from controller.settings import Settings
 from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
+from tests.live_controller import LiveController
 
 API = "/api/v1"
 
@@ -171,6 +175,34 @@ def test_cancel_then_cancel_again_is_409(client: TestClient, launcher: FakeLaunc
     assert client.post(f"{API}/jobs/{job_id}/cancel").status_code == 409
     client.app.state.supervisor.step()  # the engine's STOPPED must not move a terminal job
     assert client.get(f"{API}/jobs/{job_id}").json()["status"] == "CANCELLED"
+
+
+def test_a_failed_commit_is_an_error_answer_never_a_lost_success(live_controller: LiveController) -> None:
+    """Over real HTTP: a commit that fails is a 5xx, never a 2xx for a write that was never stored.
+    (The session is scoped to the handler, so the commit also happens before the answer leaves: with
+    FastAPI's default request scope, 1 in 200 fault posts was seen answered before its row was
+    visible to the next request.)"""
+    job = live_controller.submit_job("c", steps=10)
+    app = live_controller.app
+    real = app.state.sessions
+
+    def failing_commit() -> Session:
+        session = real()
+
+        def commit() -> None:
+            raise OperationalError("COMMIT", {}, RuntimeError("disk full"))
+
+        session.commit = commit  # type: ignore[method-assign]
+        return session
+
+    app.state.sessions = failing_commit
+    try:
+        r = httpx.post(f"{live_controller.url}{API}/jobs/{job.id}/cancel", timeout=30,
+                       headers=bearer(live_controller.token("admin")))
+    finally:
+        app.state.sessions = real
+    assert r.status_code >= 500, (r.status_code, r.text)
+    assert live_controller.client().get_job(job.id).status != JobStatus.CANCELLED
 
 
 def test_logs_come_from_the_launcher(client: TestClient) -> None:
