@@ -1,4 +1,5 @@
-"""Shared fixtures: databases (SQLite file, and a fresh PostgreSQL database on 127.0.0.1:5432)."""
+"""Shared fixtures: databases (SQLite file, and a fresh PostgreSQL database on 127.0.0.1:5432), and the
+real controller served live (``live_controller``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.live_controller import LiveController
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -78,3 +83,15 @@ def postgres_url() -> Iterator[str]:
 def db_url(request: pytest.FixtureRequest) -> str:
     """Each test using it runs once on SQLite and once on PostgreSQL."""
     return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
+
+
+@pytest.fixture
+def live_controller(tmp_path: Path) -> Iterator[LiveController]:
+    """The real controller served on 127.0.0.1 (:mod:`tests.live_controller`), stopped after the test."""
+    from tests.live_controller import LiveController
+
+    controller = LiveController(tmp_path / "controller").start()
+    try:
+        yield controller
+    finally:
+        controller.stop()

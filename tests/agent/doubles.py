@@ -1,9 +1,11 @@
 """Test doubles for the agent tests: a fake clock, a fake transport, and an in-test HTTP server
-standing in for the controller's ingest endpoint.
+standing in for the controller's ingest endpoint; helpers to play ranks (datagrams) and run agents.
 
 ``TelemetryServer`` is a *test double*, not the controller: it implements only what the agent
 relies on (POST /api/v1/telemetry, gzip bodies, TelemetryBatch validation -> 422, idempotency on
-(agent_id, seq) -> ``duplicate: true``) and can be switched down and up again.
+(agent_id, seq) -> ``duplicate: true``) and can be switched down and up again, answer 503, or store
+a batch and drop the connection before answering: the misbehaviour ``test_integration.py`` needs.
+Tests of the agent against the controller itself use the real one (:mod:`tests.live_controller`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import gzip
 import json
 import socket
 import threading
-from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self
@@ -21,14 +22,7 @@ from pydantic import ValidationError
 
 from agent.main import AgentConfig, run_agent
 from controller.probe import wait_for  # the agent tests import it from here
-from controller.schemas import (
-    CommandKind,
-    CommandResult,
-    CommandStatus,
-    NodeCommand,
-    TelemetryAck,
-    TelemetryBatch,
-)
+from controller.schemas import TelemetryAck, TelemetryBatch
 
 
 class FakeClock:
@@ -76,47 +70,6 @@ class FakeTransport:
     @property
     def stored_samples(self) -> list[Any]:
         return [s for b in self.stored for s in b.samples]
-
-
-def command(
-    cid: int, kind: CommandKind = CommandKind.WRITE_FAULT_FILE, node: str = "vigil-node-1", **args: Any
-) -> NodeCommand:
-    return NodeCommand(
-        id=cid, node_id=node, kind=kind, args=args, status=CommandStatus.PENDING, created_at=datetime.now(UTC)
-    )
-
-
-class FakeController:
-    """The controller's command queue of one node, as the agent sees it over HTTP.
-
-    A command stays PENDING until its first result; later results for it are ignored (counted),
-    as the real endpoint does. ``fail_fetch`` / ``fail_post`` make the next calls raise.
-    """
-
-    def __init__(self) -> None:
-        self.commands: dict[int, NodeCommand] = {}
-        self.results: dict[int, CommandResult] = {}
-        self.posts: list[int] = []  # every post, in order, including ignored repeats
-        self.fetches = 0
-        self.fail_fetch: BaseException | None = None
-        self.fail_post: BaseException | None = None
-
-    def add(self, *cmds: NodeCommand) -> None:
-        for c in cmds:
-            self.commands[c.id] = c
-
-    def fetch(self) -> list[NodeCommand]:
-        self.fetches += 1
-        if self.fail_fetch is not None:
-            raise self.fail_fetch
-        # Newest first on purpose: the runner must sort.
-        return [c for cid, c in sorted(self.commands.items(), reverse=True) if cid not in self.results]
-
-    def post_result(self, command_id: int, result: CommandResult) -> None:
-        if self.fail_post is not None:
-            raise self.fail_post
-        self.posts.append(command_id)
-        self.results.setdefault(command_id, result)
 
 
 def step_dict(step: int, *, job_id: str = "job-1", rank: int = 0, pid: int | None = None) -> dict[str, Any]:

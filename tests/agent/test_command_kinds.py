@@ -2,7 +2,9 @@
 
 Needs: Linux, psutil, and ``py-spy`` next to the test interpreter (installed with the agent
 dependencies) with ptrace rights (root, or CAP_SYS_PTRACE); the py-spy tests are skipped without
-the binary. The raylet tests use *stand-ins*: small python scripts named ``raylet`` and ``ray``
+the binary. The two tests of the agent's wiring fetch their commands from the REAL controller
+(fixture ``live_controller``, :mod:`tests.live_controller`; loopback networking), which queues them
+when a fault injected through its API fires. The raylet tests use *stand-ins*: small python scripts named ``raylet`` and ``ray``
 (so their process name and command line look like the real ones to the agent's discovery), that
 start a "worker" child and block. The real ``ray start`` / raylet path is covered by the
 controller's end-to-end fault tests.
@@ -28,8 +30,9 @@ import pytest
 from agent.commands import CORRUPTION, CommandExecutor, ExecutorConfig, live_process
 from agent.main import Agent, AgentConfig, run_agent
 from agent.receiver import RankTracker, process_alive
-from controller.schemas import CommandKind, CommandResult, StepSample, slugify
-from tests.agent.doubles import FakeController, FakeTransport, command, step_dict, wait_for
+from controller.schemas import CommandKind, StepSample, slugify
+from tests.agent.doubles import datagram, send_datagrams, socket_ready, step_dict, wait_for
+from tests.live_controller import step_sample
 
 BUSY = "import time\nwhile True:\n    pass\n"
 SLEEPY = textwrap.dedent(
@@ -551,40 +554,49 @@ def test_kill_node_kills_raylet_workers_ray_start_and_its_session(tmp_path, stan
         start.wait(10)
 
 
-def test_kill_node_through_the_agent_stops_it_without_a_last_heartbeat(short_dir, standin_bin):
-    """The wiring: the agent's command thread gets kill_node from the controller, kills the node,
-    answers, and the agent stops: run_agent returns True and nothing more is sent."""
+def test_kill_node_through_the_agent_stops_it_without_a_last_heartbeat(short_dir, standin_bin, live_controller):
+    """The wiring, with the real controller: faults injected through its API become commands that
+    the agent's command thread fetches and carries out: a fault file first, then kill_node: the
+    agent kills the node, answers, and stops: run_agent returns True and nothing more is sent."""
+    live = live_controller
     node = f"standin-{os.getpid()}-c"
     start = subprocess.Popen(
         [str(standin_bin / "ray"), "start", "--block", f"--node-name={node}"], start_new_session=True
     )
-    ctl, tel = FakeController(), FakeTransport()
+    job = live.submit_job("kill-node", steps=10).id
     cfg = AgentConfig(
-        node_id=node, run_dir=short_dir, controller_url="http://127.0.0.1:9", token="t",
+        node_id=node, run_dir=short_dir, controller_url=live.url, token=live.token("agent"),
         flush_interval_s=0.05, heartbeat_interval_s=0.1, storage_root=short_dir,
     )  # fmt: skip
     outcome: list[bool] = []
-    thread = threading.Thread(
-        target=lambda: outcome.append(
-            run_agent(cfg, threading.Event(), transport=tel, command_transport=ctl)
-        ),
-        daemon=True,
-    )
+    thread = threading.Thread(target=lambda: outcome.append(run_agent(cfg, threading.Event())), daemon=True)
     try:
         wait_for(lambda: worker_pids(standin_bin), timeout=20, what="stand-in node up")
         thread.start()
-        wait_for(lambda: len(tel.stored) >= 2, timeout=10, what="heartbeats")
-        ctl.add(command(1, CommandKind.WRITE_FAULT_FILE, node=node, job_id="j", rank=0, fault={"step": 1}))
-        wait_for(lambda: 1 in ctl.results, timeout=10, what="first command answered")
-        assert ctl.results[1].ok and (short_dir / "faults" / "j" / "rank-0.json").exists()
-        ctl.add(command(2, CommandKind.KILL_NODE, node=node))
+        wait_for(lambda: socket_ready(cfg.socket_path), timeout=10, what="agent socket")
+        # Rank 0 reports step 0: the controller learns where it runs (and that the job reached step 0).
+        send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, job_id=job, rank=0, pid=os.getpid())])])
+
+        def rank_on_node() -> bool:
+            with live.client("viewer") as c:
+                nodes = {n.id: n for n in c.list_nodes().data}
+                return node in nodes and bool(nodes[node].ranks) and c.get_job(job).last_step == 0
+
+        wait_for(rank_on_node, timeout=10, what="the rank in a heartbeat")
+        (fault_file,) = live.fire(job, "nan_loss", rank=0)
+        wait_for(lambda: live.command_rows()[fault_file.id].status != "PENDING", timeout=10,
+                 what="first command answered")
+        assert live.command_rows()[fault_file.id].status == "DONE"
+        assert (short_dir / "faults" / job / "rank-0.json").exists()
+        (kill,) = live.fire(job, "kill_node", node_id=node)
         thread.join(20)
         assert not thread.is_alive() and outcome == [True]
-        assert ctl.results[2].ok and ctl.posts == [1, 2]
+        assert live.command_rows()[kill.id].status == "DONE"
+        assert live.answered() == [fault_file.id, kill.id]
         assert start.wait(10) == -signal.SIGKILL
-        sent = len(tel.calls)
+        sent = live.batches_seen(cfg.agent_id)
         time.sleep(0.5)
-        assert len(tel.calls) == sent  # a lost node sends nothing more
+        assert live.batches_seen(cfg.agent_id) == sent  # a lost node sends nothing more
     finally:
         with contextlib.suppress(OSError):
             os.killpg(start.pid, signal.SIGKILL)
@@ -625,21 +637,28 @@ def test_rank_whose_pid_was_reused_is_dead():
     assert tracker.pids().keys() == {500}
 
 
-def test_agent_passes_its_rank_table_to_the_commands(short_dir, procs):
+def test_agent_passes_its_rank_table_to_the_commands(short_dir, procs, live_controller):
+    """The controller aims at a pid the node reported as a rank; the agent acts on it only once its
+    own rank table holds it. Commands come from faults injected through the real controller's API."""
     p = procs.spawn()
-    ctl = FakeController()
-    cfg = AgentConfig(node_id="n-ranks", run_dir=short_dir, controller_url="http://127.0.0.1:9", token="t")
-    agent = Agent(cfg, transport=FakeTransport(), command_transport=ctl)
+    live = live_controller
+    job = live.submit_job("rank-table", steps=10).id
+    # What the controller knows of the node: rank 0 of the job is process p, at step 0.
+    live.heartbeat("n-ranks", [(job, 0, p.pid)], [step_sample(job, 0, 0)])
+    cfg = AgentConfig(node_id="n-ranks", run_dir=short_dir, controller_url=live.url, token=live.token("agent"))
+    agent = Agent(cfg)  # the real transports; the command runner is stepped by hand
     try:
         assert agent.commands is not None
-        ctl.add(command(1, CommandKind.STOP_PID, node="n-ranks", pid=p.pid))
+        (stop,) = live.fire(job, "hang_rank", rank=0)  # stop_pid of p: not a rank of this agent yet
+        assert (stop.kind, stop.args) == ("stop_pid", {"pid": p.pid})
         agent.commands.step()
-        assert not ctl.results[1].ok and "refused" in ctl.results[1].message
-        agent.receiver.ranks.observe([StepSample.model_validate(step_dict(0, rank=0, pid=p.pid))])
-        ctl.add(command(2, CommandKind.KILL_PID, node="n-ranks", pid=p.pid))
+        row = live.command_rows()[stop.id]
+        assert row.status == "FAILED" and "refused" in (row.message or ""), row
+        agent.receiver.ranks.observe([StepSample.model_validate(step_dict(0, job_id=job, rank=0, pid=p.pid))])
+        (kill,) = live.fire(job, "kill_rank", rank=0)  # kill_pid of p, SIGKILL
         agent.commands.step()
-        assert ctl.results[2].ok, ctl.results[2]
+        row = live.command_rows()[kill.id]
+        assert row.status == "DONE", row
         assert p.wait(5) == -signal.SIGKILL
     finally:
         agent.close()
-    assert isinstance(ctl.results[2], CommandResult)

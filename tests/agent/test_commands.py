@@ -1,28 +1,48 @@
-"""The command runner's HTTP side, unit level: a fake controller queue and fake executors.
+"""The command runner's HTTP side against the REAL controller, with a recording executor.
 
-Needs nothing but the agent package. What each command does to real processes and files is in
-``test_command_kinds.py``.
+The controller is ``create_app()`` served live (fixture ``live_controller``, :mod:`tests.live_controller`).
+Commands reach a node's queue the way they do in production: a fault is injected through
+``POST /jobs/{id}/faults`` and the controller's monitor fires it into an agent command for the node
+that runs the rank (whose heartbeat the test posts as the agent would). The runner fetches and
+answers through the real transport (``ClientCommandTransport``: ``GET /nodes/{id}/commands``,
+``POST .../result`` with an agent token); what it answered is read back from the controller.
+An outage is the controller going away (``stop()``) and coming back on the same port (``start()``).
+
+The executor is a recording fake (what each command does to real processes and files is in
+``test_command_kinds.py``). Where a test needs a controller that misbehaves on purpose (an error
+status, a body that is not JSON, an answer that never comes), :class:`Misbehaving` stands in front
+of the real one for just those requests.
+
+Needs: the controller's dependencies (FastAPI, SQLAlchemy, uvicorn), loopback networking.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
+import pytest
+from sqlalchemy import delete, update
 
-from agent.commands import CommandExecutor, CommandLoop, CommandRunner, ExecutorConfig
-from controller.client import ApiError
-from controller.schemas import CommandKind, CommandResult
-from tests.agent.doubles import FakeController, command
+from agent.commands import ClientCommandTransport, CommandExecutor, CommandLoop, CommandRunner, ExecutorConfig
+from controller.client import VigilClient
+from controller.db import session_scope
+from controller.models import NodeCommandRow
+from controller.schemas import CommandKind, CommandResult, CommandStatus, Role
+from tests.live_controller import LiveController, step_sample
 
 NODE = "vigil-node-1"
+OTHER = "vigil-node-2"
+pytestmark = pytest.mark.timeout(120)
 
 
 class RecordingExecutor:
-    """Records what it runs; ``slow`` kinds sleep ``delay`` s (longer than their timeout)."""
+    """Records what it runs; ``slow`` kinds sleep ``delay`` s (longer than their timeout).
+    ``on_run``: actions done one per command run, before it is recorded (the controller going
+    away while a command runs, ...)."""
 
     def __init__(self, timeout: float = 5.0, slow: frozenset[str] = frozenset(), delay: float = 0.0) -> None:
         self.ran: list[tuple[str, dict[str, Any]]] = []
@@ -30,9 +50,12 @@ class RecordingExecutor:
         self.slow = slow
         self.delay = delay
         self.closed = False
+        self.on_run: list[Callable[[], None]] = []
 
     def run(self, kind: str | CommandKind, args: Mapping[str, Any]) -> CommandResult:
         name = kind.value if isinstance(kind, CommandKind) else kind
+        if self.on_run:
+            self.on_run.pop(0)()
         self.ran.append((name, dict(args)))
         if name in self.slow:
             time.sleep(self.delay)
@@ -45,134 +68,233 @@ class RecordingExecutor:
         self.closed = True
 
 
-def runner_for(ctl: FakeController, ex: RecordingExecutor | None = None, **kw: Any) -> CommandRunner:
-    return CommandRunner(NODE, ctl, ex or RecordingExecutor(), log_every_s=0, **kw)
+class Misbehaving(httpx.BaseTransport):
+    """STUB, for the tests that need a controller misbehaving on purpose: stands in front of the
+    real controller and, for the next requests of a method, answers what ``plan[method]`` says
+    instead (one entry per request): an HTTP status (with a JSON ``detail``), ``"garbage"`` (200
+    with a body that is not JSON), or an exception to raise (e.g. a read timeout: the answer never
+    came). With nothing planned, requests go through to the real controller."""
+
+    def __init__(self) -> None:
+        self.real = httpx.HTTPTransport()
+        self.plan: dict[str, list[int | str | Exception]] = {"GET": [], "POST": []}
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        planned = self.plan.get(request.method)
+        if not planned:
+            return self.real.handle_request(request)
+        what = planned.pop(0)
+        if isinstance(what, Exception):
+            raise what
+        if what == "garbage":
+            return httpx.Response(200, content=b"<html>not json", request=request)
+        assert isinstance(what, int)
+        return httpx.Response(what, json={"detail": "misbehaving on purpose"}, request=request)
+
+    def close(self) -> None:
+        self.real.close()
 
 
-def test_each_command_runs_once_in_id_order_and_is_answered_exactly_once():
-    ctl, ex = FakeController(), RecordingExecutor()
-    ctl.add(command(3, rank=3), command(1, rank=1), command(2, rank=2))
-    r = runner_for(ctl, ex)
+class Queue:
+    """The command queues of :data:`NODE` (and :data:`OTHER`) on the real controller.
+
+    A PENDING job; :meth:`add` has the node's agent report a rank in a heartbeat, injects a fault on
+    that rank through the API and runs one monitor pass, which queues the fault's command.
+    """
+
+    def __init__(self, live: LiveController) -> None:
+        self.live = live
+        self.job = live.submit_job("commands", steps=10).id
+        self.clients: list[VigilClient] = []
+
+    def add(self, fault: str = "nan_loss", rank: int = 0, node: str = NODE, **fields: Any) -> int:
+        """Queue one command: ``nan_loss`` -> write_fault_file (args name the rank), ``hang_rank`` ->
+        stop_pid, ``kill_node`` -> kill_node. Returns its id."""
+        # The rank's latest step (step 0) and process, as the node's agent reports them.
+        self.live.heartbeat(node, [(self.job, rank, 40_000 + rank)], [step_sample(self.job, rank, 0)])
+        target = {"node_id": node} if fault == "kill_node" else {"rank": rank}
+        (cmd,) = self.live.fire(self.job, fault, **target, **fields)
+        assert cmd.node_id == node
+        return cmd.id
+
+    def transport(self, node: str = NODE, via: httpx.BaseTransport | None = None) -> ClientCommandTransport:
+        """The agent's real command transport for ``node`` (agent token), optionally ``via`` a stub."""
+        client = VigilClient(self.live.url, token=self.live.token(Role.AGENT), transport=via)
+        self.clients.append(client)
+        return ClientCommandTransport(client, node)
+
+    def runner(self, ex: RecordingExecutor | None = None, transport: ClientCommandTransport | None = None,
+               **kw: Any) -> CommandRunner:
+        return CommandRunner(NODE, transport or self.transport(), ex or RecordingExecutor(), log_every_s=0, **kw)
+
+    def rows(self) -> dict[int, Any]:
+        return self.live.command_rows()
+
+    def answered(self) -> list[int]:
+        """Command ids in the order the controller stored their (first) answers."""
+        return self.live.answered()
+
+    def set_status(self, command_id: int, status: CommandStatus) -> None:
+        with session_scope(self.live.app.state.sessions) as s:
+            s.execute(update(NodeCommandRow).where(NodeCommandRow.id == command_id).values(status=status.value))
+
+    def delete(self, command_id: int) -> None:
+        with session_scope(self.live.app.state.sessions) as s:
+            s.execute(delete(NodeCommandRow).where(NodeCommandRow.id == command_id))
+
+
+@pytest.fixture
+def queue(live_controller: LiveController) -> Iterator[Queue]:
+    q = Queue(live_controller)
+    yield q
+    for c in q.clients:
+        c.close()
+
+
+class NewestFirst:
+    """STUB of a controller that lists pending commands newest first (the real one lists them
+    oldest first): the runner must not rely on the order. Wraps the real transport."""
+
+    def __init__(self, real: ClientCommandTransport) -> None:
+        self.real = real
+
+    def fetch(self) -> list[Any]:
+        return sorted(self.real.fetch(), key=lambda c: c.id, reverse=True)
+
+    def post_result(self, command_id: int, result: CommandResult) -> None:
+        self.real.post_result(command_id, result)
+
+
+def test_each_command_runs_once_in_id_order_and_is_answered_exactly_once(queue):
+    ids = [queue.add(rank=r) for r in (1, 2, 3)]
+    ex = RecordingExecutor()
+    r = queue.runner(ex, transport=NewestFirst(queue.transport()))  # type: ignore[arg-type]
     assert r.step() is True  # did something: poll again at once
     assert [a["rank"] for _, a in ex.ran] == [1, 2, 3]
-    assert ctl.posts == [1, 2, 3]
+    assert queue.answered() == ids
     assert r.step() is False  # nothing new
     assert r.step() is False
-    assert ctl.posts == [1, 2, 3] and len(ex.ran) == 3
-    assert all(res.ok and res.output["duration_s"] >= 0 for res in ctl.results.values())
+    assert queue.answered() == ids and len(ex.ran) == 3 and r.stats.posted == 3
+    rows = queue.rows()
+    assert all(rows[i].status == "DONE" and rows[i].result["duration_s"] >= 0 for i in ids)
+    assert queue.live.pending_commands(NODE) == []
 
 
-def test_a_command_still_listed_after_it_was_done_is_not_redone():
+def test_a_command_still_listed_after_it_was_done_is_not_redone(queue):
     """The controller may list a command as PENDING once more (a race with our post, or the post
     was lost): the agent remembers what it did and does not do it twice."""
-    ctl, ex = FakeController(), RecordingExecutor()
-    ctl.add(command(7))
-    r = runner_for(ctl, ex)
+    cid = queue.add()
+    ex = RecordingExecutor()
+    r = queue.runner(ex)
     r.step()
-    del ctl.results[7]  # the controller "forgot" the answer: still PENDING
+    queue.set_status(cid, CommandStatus.PENDING)  # the controller "forgot" the answer: listed again
+    assert [c.id for c in queue.live.pending_commands(NODE)] == [cid]
     assert r.step() is False
-    assert len(ex.ran) == 1 and ctl.posts == [7]
+    assert len(ex.ran) == 1 and r.stats.posted == 1 and queue.answered() == [cid]
 
 
-def test_a_result_that_could_not_be_posted_is_posted_later_and_the_command_not_redone():
-    ctl, ex = FakeController(), RecordingExecutor()
-    ctl.add(command(1), command(2))
-    ctl.fail_post = httpx.ConnectError("controller down")
-    r = runner_for(ctl, ex)
+def test_a_result_that_could_not_be_posted_is_posted_later_and_the_command_not_redone(queue):
+    ids = [queue.add(rank=1), queue.add(rank=2)]
+    ex = RecordingExecutor(timeout=30)
+    ex.on_run.append(queue.live.stop)  # the controller goes away while the first command runs
+    r = queue.runner(ex)
     r.step()
-    assert len(ex.ran) == 2 and ctl.posts == [] and r.unposted == 2
+    assert len(ex.ran) == 2 and r.unposted == 2
     assert r.stats.failed_posts >= 1
-    ctl.fail_post = None
+    queue.live.start()  # back, on the same port
+    assert queue.answered() == []
     r.step()
-    assert ctl.posts == [1, 2] and r.unposted == 0  # in order, once each
+    assert queue.answered() == ids and r.unposted == 0  # in order, once each
     assert len(ex.ran) == 2
 
 
-def test_a_result_the_controller_refuses_for_good_is_dropped():
-    ctl = FakeController()
-    ctl.add(command(1))
-    ctl.fail_post = ApiError(404, "no such command")
-    r = runner_for(ctl)
+def test_a_result_the_controller_refuses_for_good_is_dropped(queue):
+    first, second = queue.add(rank=1), queue.add(rank=2)
+    ex = RecordingExecutor()
+    stub = Misbehaving()
+    ex.on_run += [
+        lambda: queue.delete(first),  # the command is gone when its answer comes: 404
+        lambda: stub.plan["POST"].append(503),  # the controller cannot take the second answer yet
+    ]
+    r = queue.runner(ex, transport=queue.transport(via=stub))
     r.step()
-    assert r.unposted == 0 and r.stats.dropped_results == 1
-    ctl.fail_post = ApiError(503, "busy")
-    ctl.add(command(2))
+    assert r.stats.dropped_results == 1  # the 404 is final ...
+    assert r.unposted == 1  # ... a 5xx is retried ...
     r.step()
-    assert r.unposted == 1  # a 5xx is retried
+    assert r.unposted == 0 and queue.answered() == [second]  # ... and posted once it is answered
+    assert len(ex.ran) == 2
 
 
-def test_fetch_failures_are_survived():
-    ctl, ex = FakeController(), RecordingExecutor()
-    ctl.add(command(1))
-    ctl.fail_fetch = ApiError(502, "bad gateway")
-    r = runner_for(ctl, ex)
+def test_fetch_failures_are_survived(queue):
+    queue.add()
+    ex = RecordingExecutor()
+    stub = Misbehaving()
+    r = queue.runner(ex, transport=queue.transport(via=stub))
+    queue.live.stop()  # connection refused
     assert r.step() is False and ex.ran == [] and r.stats.failed_polls == 1
-    ctl.fail_fetch = ValueError("garbage")
+    queue.live.start()
+    stub.plan["GET"] = [502, "garbage"]  # a gateway error, then a body that is no command list
     assert r.step() is False
-    ctl.fail_fetch = None
+    assert r.step() is False and r.stats.failed_polls == 3
     assert r.step() is True and len(ex.ran) == 1
 
 
-def test_a_slow_command_times_out_without_holding_up_the_next():
-    ctl = FakeController()
-    ex = RecordingExecutor(timeout=0.3, slow=frozenset({"pyspy_dump"}), delay=3.0)
-    ctl.add(command(1, CommandKind.PYSPY_DUMP, job_id="j", pids={}), command(2))
-    r = runner_for(ctl, ex)
+def test_a_slow_command_times_out_without_holding_up_the_next(queue):
+    slow, fast = queue.add("hang_rank", rank=1), queue.add(rank=2)  # stop_pid, then write_fault_file
+    ex = RecordingExecutor(timeout=0.3, slow=frozenset({"stop_pid"}), delay=3.0)
+    r = queue.runner(ex)
     t0 = time.monotonic()
     r.step()
     assert time.monotonic() - t0 < 2.0
-    assert not ctl.results[1].ok and "timed out" in ctl.results[1].message
-    assert ctl.results[2].ok
+    rows = queue.rows()
+    assert rows[slow].status == "FAILED" and "timed out" in (rows[slow].message or "")
+    assert rows[fast].status == "DONE"
     assert r.stats.timed_out == 1
 
 
-def test_kill_node_is_answered_then_the_runner_stops_and_reports_the_loss():
-    ctl, ex = FakeController(), RecordingExecutor()
+def test_kill_node_is_answered_then_the_runner_stops_and_reports_the_loss(queue):
+    kill, after = queue.add("kill_node"), queue.add()
+    ex = RecordingExecutor()
     lost = threading.Event()
-    ctl.add(command(1, CommandKind.KILL_NODE), command(2))
-    r = runner_for(ctl, ex, on_node_lost=lost.set)
+    r = queue.runner(ex, on_node_lost=lost.set)
     r.step()
     assert lost.is_set() and r.stopped
-    assert ctl.posts == [1]  # answered before the agent goes
+    assert queue.answered() == [kill]  # answered before the agent goes
     assert [k for k, _ in ex.ran] == ["kill_node"]  # nothing after it
-    assert r.step() is False and ctl.fetches == 1
+    assert [c.id for c in queue.live.pending_commands(NODE)] == [after]
+    assert r.step() is False and r.stats.polls == 1
 
 
-def test_kill_node_answer_is_retried_a_few_times_before_the_agent_stops():
-    ctl = FakeController()
-    calls = {"n": 0}
-    original = ctl.post_result
-
-    def flaky(cid: int, res: CommandResult) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise httpx.ReadTimeout("slow")
-        original(cid, res)
-
-    ctl.post_result = flaky  # type: ignore[method-assign]
-    ctl.add(command(1, CommandKind.KILL_NODE))
-    r = runner_for(ctl, lost_post_tries=3)
+def test_kill_node_answer_is_retried_a_few_times_before_the_agent_stops(queue):
+    kill = queue.add("kill_node")
+    stub = Misbehaving()
+    stub.plan["POST"] = [httpx.ReadTimeout("slow")]  # the first answer is never acknowledged
+    r = queue.runner(transport=queue.transport(via=stub), lost_post_tries=3)
     r.step()
-    assert ctl.posts == [1] and r.stopped
+    assert queue.answered() == [kill] and r.stopped
+    assert r.stats.failed_posts == 1 and r.stats.posted == 1
 
 
-def test_a_command_for_another_node_is_refused():
-    ctl, ex = FakeController(), RecordingExecutor()
-    ctl.add(command(1, node="vigil-node-2"))
-    runner_for(ctl, ex).step()
-    assert ex.ran == [] and not ctl.results[1].ok and "vigil-node-2" in ctl.results[1].message
+def test_a_command_for_another_node_is_refused(queue):
+    """An agent wired to another node's queue (a wrong --node-id elsewhere, say) refuses what it
+    finds there, and says why."""
+    cid = queue.add(rank=7, node=OTHER)
+    ex = RecordingExecutor()
+    queue.runner(ex, transport=queue.transport(node=OTHER)).step()
+    row = queue.rows()[cid]
+    assert ex.ran == [] and row.status == "FAILED" and OTHER in (row.message or "")
 
 
-def test_after_an_agent_restart_pending_commands_are_redone():
+def test_after_an_agent_restart_pending_commands_are_redone(queue):
     """The documented limit: ids done are remembered per agent process, so a command whose answer
     was lost is done again by the next agent (every kind is safe to redo)."""
-    ctl, ex = FakeController(), RecordingExecutor()
-    ctl.add(command(1))
-    ctl.fail_post = httpx.ConnectError("down")
-    runner_for(ctl, ex).step()
-    ctl.fail_post = None
-    runner_for(ctl, ex).step()  # a new agent process
-    assert len(ex.ran) == 2 and ctl.posts == [1]
+    cid = queue.add()
+    ex = RecordingExecutor(timeout=30)
+    ex.on_run.append(queue.live.stop)
+    queue.runner(ex).step()
+    queue.live.start()
+    queue.runner(ex).step()  # a new agent process
+    assert len(ex.ran) == 2 and queue.answered() == [cid]
 
 
 def test_unknown_and_unsupported_kinds_and_bad_args_are_answers(tmp_path):
@@ -193,60 +315,54 @@ def test_unknown_and_unsupported_kinds_and_bad_args_are_answers(tmp_path):
     assert not r.ok and "--ray-join-cmd" in r.message
 
 
-def test_the_loop_polls_every_interval_and_again_at_once_after_a_command():
-    ctl, ex = FakeController(), RecordingExecutor()
-    r = runner_for(ctl, ex)
+def test_the_loop_polls_every_interval_and_again_at_once_after_a_command(queue):
+    ex = RecordingExecutor()
+    r = queue.runner(ex)
     loop = CommandLoop(r, interval_s=0.2)
     loop.start()
     try:
         time.sleep(0.5)
-        before = ctl.fetches
+        before = r.stats.polls
         assert 2 <= before <= 5
-        ctl.add(command(1))
+        cid = queue.add()
         deadline = time.monotonic() + 3
-        while not ctl.posts and time.monotonic() < deadline:
+        while not queue.answered() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert ctl.posts == [1]
+        assert queue.answered() == [cid]
     finally:
         loop.stop()
     assert ex.closed  # stopping the loop ends throttles
 
 
-def test_client_methods_speak_the_documented_routes():
-    """controller.client: the two agent-role methods, against an in-process HTTP double."""
-    from controller.client import VigilClient
-
+def test_client_methods_speak_the_documented_routes(queue):
+    """controller.client: the two agent-role methods, on the wire, against the real routes."""
+    cid = queue.add("hang_rank", rank=3)  # stop_pid of the rank's pid
     seen: list[tuple[str, str, bytes]] = []
+    real = httpx.HTTPTransport()
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append((request.method, str(request.url), request.content))
-        if request.method == "GET":
-            body = {"data": [command(5, CommandKind.STOP_PID, pid=123).model_dump(mode="json")], "count": 1}
-            return httpx.Response(200, json=body)
-        return httpx.Response(200, json={"ok": True})
+    class Recording(httpx.BaseTransport):  # passes every request on, unchanged
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append((request.method, str(request.url), request.read()))
+            return real.handle_request(request)
 
-    with VigilClient("http://ctl", token="t", transport=httpx.MockTransport(handler)) as c:
+    url = queue.live.url
+    with VigilClient(url, token=queue.live.token(Role.AGENT), transport=Recording()) as c:
         got = c.node_commands(NODE)
-        assert (
-            got.count == 1 and got.data[0].kind is CommandKind.STOP_PID and got.data[0].args == {"pid": 123}
-        )
-        c.post_command_result(NODE, 5, CommandResult(ok=True, message="m", output={"state": "stopped"}))
-    assert seen[0][:2] == ("GET", f"http://ctl/api/v1/nodes/{NODE}/commands?status=PENDING")
-    assert seen[1][:2] == ("POST", f"http://ctl/api/v1/nodes/{NODE}/commands/5/result")
+        assert got.count == 1 and got.data[0].kind is CommandKind.STOP_PID and got.data[0].args == {"pid": 40_003}
+        c.post_command_result(NODE, cid, CommandResult(ok=True, message="m", output={"state": "stopped"}))
+        assert c.node_commands(NODE).count == 0
+    assert seen[0][:2] == ("GET", f"{url}/api/v1/nodes/{NODE}/commands?status=PENDING")
+    assert seen[1][:2] == ("POST", f"{url}/api/v1/nodes/{NODE}/commands/{cid}/result")
     assert b'"state":"stopped"' in seen[1][2].replace(b" ", b"")
+    row = queue.rows()[cid]
+    assert (row.status, row.message, row.result) == ("DONE", "m", {"state": "stopped"})
 
 
-def test_a_halted_runner_starts_no_further_command():
-    ctl, ex = FakeController(), RecordingExecutor()
-    ctl.add(command(1), command(2))
-    r = runner_for(ctl, ex)
-    original = ex.run
-
-    def run_then_halt(kind, args):
-        r.halt()  # shutdown requested while command 1 runs
-        return original(kind, args)
-
-    ex.run = run_then_halt  # type: ignore[method-assign]
+def test_a_halted_runner_starts_no_further_command(queue):
+    first, _second = queue.add(rank=1), queue.add(rank=2)
+    ex = RecordingExecutor()
+    r = queue.runner(ex)
+    ex.on_run.append(r.halt)  # shutdown requested while command 1 runs
     r.step()
-    assert ctl.posts == [1] and len(ex.ran) == 1
-    assert r.step() is False and ctl.fetches == 1
+    assert queue.answered() == [first] and len(ex.ran) == 1
+    assert r.step() is False and r.stats.polls == 1

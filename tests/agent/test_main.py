@@ -1,7 +1,12 @@
 """Agent wiring: AgentConfig validation and defaults, the CLI flags, the heartbeat's content,
 and the rule that the agent never imports torch, ray or the trainer.
 
-Needs: Linux (unix datagram socket), a writable /tmp, a Python interpreter for one subprocess.
+The agent's heartbeat and the "commands off" switch are checked against the REAL controller
+(fixture ``live_controller``: ``create_app()`` served live, see :mod:`tests.live_controller`): what
+the agent sent is read back from what the controller stored.
+
+Needs: Linux (unix datagram socket), a writable /tmp, a Python interpreter for one subprocess,
+loopback networking and the controller's dependencies.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -18,7 +24,8 @@ from pydantic import ValidationError
 from agent.main import Agent, AgentConfig, build_parser, config_from_args, main
 from controller.schemas import MAX_TELEMETRY_ITEMS, RankProcess
 from controller.settings import agent_socket_path, get_settings
-from tests.agent.doubles import FakeController, FakeTransport, datagram, send_datagrams, step_dict, wait_for
+from tests.agent.doubles import FakeTransport, datagram, send_datagrams, step_dict, wait_for
+from tests.live_controller import LiveController, step_sample
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,14 +159,26 @@ def test_join_command_must_be_a_json_argv(bad, capsys, monkeypatch):
     assert e.value.code == 2 and "--ray-join-cmd" in capsys.readouterr().err
 
 
-def test_an_agent_with_commands_off_polls_nothing(short_dir):
-    ctl = FakeController()
-    cfg = AgentConfig(node_id="n-off", run_dir=short_dir, controller_url="http://127.0.0.1:9", token="t", commands=False)
-    agent = Agent(cfg, transport=FakeTransport(), command_transport=ctl)
+def test_an_agent_with_commands_off_polls_nothing(short_dir, live_controller: LiveController):
+    live = live_controller
+    job = live.submit_job("commands-off", steps=10).id
+    live.heartbeat("n-off", [(job, 0, 4242)], [step_sample(job, 0, 0)])  # where the rank runs
+    (cmd,) = live.fire(job, "nan_loss", rank=0)  # a command waits for the node's agent
+    cfg = AgentConfig(node_id="n-off", run_dir=short_dir, controller_url=live.url, token=live.token("agent"),
+                      commands=False, flush_interval_s=0.05, heartbeat_interval_s=0.05)
+    agent = Agent(cfg)
+    agent.start()
     try:
         assert agent.commands is None and "commands_executed" not in agent.agent_stats()
+
+        def heard() -> bool:
+            agent.step()
+            return live.batches_seen(cfg.agent_id) >= 3
+
+        wait_for(heard, timeout=10, what="three batches of the agent")
     finally:
-        agent.close()
+        agent.stop()
+    assert [c.id for c in live.pending_commands("n-off")] == [cmd.id]  # never fetched, never answered
 
 
 def test_cli_requires_node_id_and_rejects_bad_values(capsys, monkeypatch):
@@ -173,41 +192,51 @@ def test_cli_requires_node_id_and_rejects_bad_values(capsys, monkeypatch):
     assert "flush_interval_s" in capsys.readouterr().err
 
 
-def test_heartbeat_reports_rank_processes_host_metrics_and_counters(short_dir):
+def test_heartbeat_reports_rank_processes_host_metrics_and_counters(short_dir, live_controller: LiveController):
+    live = live_controller
+    job = live.submit_job("heartbeat", steps=10).id  # the controller stores samples of known jobs only
     cfg = AgentConfig(
         node_id="node-hb",
         hostname="test-host",
         address="198.18.0.7",
         run_dir=short_dir,
-        controller_url="http://127.0.0.1:9",
-        token="t",
+        controller_url=live.url,
+        token=live.token("agent"),
         flush_interval_s=0.05,
         heartbeat_interval_s=0.05,
     )
-    transport = FakeTransport()
-    agent = Agent(cfg, transport=transport)
+    agent = Agent(cfg)
     agent.start()
+
+    def node() -> Any:
+        with live.client("viewer") as c:
+            return {n.id: n for n in c.list_nodes().data}.get("node-hb")
+
     try:
         wait_for(lambda: "system" in agent.collectors.snapshot(), timeout=10, what="first metrics")
-        send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, rank=3, pid=os.getpid())]), b"garbage"])
+        send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, job_id=job, rank=3, pid=os.getpid())]),
+                                              b"garbage"])
 
         def shipped() -> bool:
             agent.step()
-            hbs = [b.heartbeat for b in transport.stored if b.heartbeat is not None]
-            return bool(transport.stored_samples) and bool(hbs) and bool(hbs[-1].ranks)
+            n = node()
+            with live.client("viewer") as c:
+                stored = c.job_metrics(job).ranks
+            return bool(stored) and n is not None and bool(n.ranks)
 
-        wait_for(shipped, timeout=10, what="a heartbeat naming the rank")
+        wait_for(shipped, timeout=10, what="the step stored and a heartbeat naming the rank")
     finally:
         agent.stop()
-    hb = [b.heartbeat for b in transport.stored if b.heartbeat is not None][-1]
+    hb = node()  # as the last heartbeat (the one of the final flush) left it
     assert hb.hostname == "test-host" and hb.address == "198.18.0.7"
-    assert hb.ranks == [RankProcess(job_id="job-1", rank=3, pid=os.getpid(), alive=True)]
+    assert hb.ranks == [RankProcess(job_id=job, rank=3, pid=os.getpid(), alive=True)]
     assert hb.host["system"]["cpu"]["available"] is True
     assert hb.host["nics"]["available"] is True
     assert "available" in hb.host["gpus"]
     assert hb.host["agent"]["invalid_datagrams"] == 1 and hb.host["agent"]["received_samples"] == 1
-    assert hb.dropped_samples == 0
-    assert all(b.agent_id == "test-host-node-hb" for b in transport.stored)
+    assert live.node_dropped_samples("node-hb") == 0
+    assert hb.agent_id == "test-host-node-hb"
+    assert live.batches_seen() == live.batches_seen("test-host-node-hb") >= 2  # every batch under that id
     assert not cfg.socket_path.exists()  # removed on stop
 
 

@@ -1,4 +1,5 @@
-"""The agent against the real controller (FastAPI app + SQLite, served by uvicorn on 127.0.0.1).
+"""The agent against the real controller (FastAPI app + SQLite, served by uvicorn on 127.0.0.1:
+fixture ``live_controller``, :mod:`tests.live_controller`).
 
 An outage here is the controller process going away: the uvicorn server stops, and a new app on
 the same database and port comes back, as after a controller restart. Every step sent meanwhile
@@ -14,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import psutil
@@ -23,45 +23,11 @@ import pytest
 from agent.main import AgentConfig
 from controller.client import VigilClient
 from controller.schemas import JobCreate
-from controller.settings import Settings
 from tests.agent.doubles import AgentThread, collective_dict, datagram, send_datagrams, step_dict, wait_for
 from tests.auth import issue_token
+from tests.live_controller import LiveController
 
-uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is a controller dependency")
 pytestmark = pytest.mark.timeout(180)
-
-
-class Controller:
-    """The real controller app in a uvicorn server thread; stop() and start() keep the port."""
-
-    def __init__(self, home: Path) -> None:
-        self.settings = Settings(home=home, database_url=f"sqlite:///{home / 'vigil.db'}")
-        self.port = 0
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self.app = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        from controller.app import create_app
-
-        app = self.app = create_app(self.settings, background=False, mount_dashboard=False)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        wait_for(lambda: self._server.started or not self._thread.is_alive(), timeout=60, what="uvicorn up")
-        assert self._server.started, "controller did not start"
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(30)
-            self._server = None
 
 
 def send_job_steps(sock: Path, job_id: str, start: int, stop: int) -> None:
@@ -79,49 +45,45 @@ def send_job_steps(sock: Path, job_id: str, start: int, stop: int) -> None:
     send_datagrams(str(sock), payloads)
 
 
-def test_outage_and_controller_restart_store_every_step_once(short_dir):
-    ctl = Controller(short_dir)
-    ctl.start()
-    try:
-        admin = issue_token(ctl.app, "admin")
-        with VigilClient(ctl.url, token=admin) as client:
-            # The controller stores samples of known jobs only.
-            job = client.submit_job(JobCreate(name="agent-e2e", steps=10))
-        cfg = AgentConfig(
-            node_id="node-ctl",
-            controller_url=ctl.url,
-            token=issue_token(ctl.app, "agent"),  # stored in the database: still valid after the restart
-            run_dir=short_dir,
-            flush_interval_s=0.1,
-            heartbeat_interval_s=0.2,
-            backoff_initial_s=0.05,
-            backoff_max_s=0.5,
-        )
+def test_outage_and_controller_restart_store_every_step_once(short_dir, live_controller: LiveController):
+    ctl = live_controller
+    admin = issue_token(ctl.app, "admin")
+    with VigilClient(ctl.url, token=admin) as client:
+        # The controller stores samples of known jobs only.
+        job = client.submit_job(JobCreate(name="agent-e2e", steps=10))
+    cfg = AgentConfig(
+        node_id="node-ctl",
+        controller_url=ctl.url,
+        token=issue_token(ctl.app, "agent"),  # stored in the database: still valid after the restart
+        run_dir=short_dir,
+        flush_interval_s=0.1,
+        heartbeat_interval_s=0.2,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.5,
+    )
 
-        def stored_steps() -> list[int]:
-            with VigilClient(ctl.url, token=admin) as c:
-                m = c.job_metrics(job.id)
-            return m.ranks[0].step if m.ranks else []
+    def stored_steps() -> list[int]:
+        with VigilClient(ctl.url, token=admin) as c:
+            m = c.job_metrics(job.id)
+        return m.ranks[0].step if m.ranks else []
 
-        with AgentThread(cfg):
-            send_job_steps(cfg.socket_path, job.id, 0, 300)
-            wait_for(lambda: len(stored_steps()) == 300, what="300 steps stored")
-            ctl.stop()  # the controller goes away
-            send_job_steps(cfg.socket_path, job.id, 300, 600)
-            wait_for(lambda: any(cfg.spool_dir.glob("*.json.gz")), what="batches spooled")
-            ctl.start()  # a new controller process on the same database and port
-            wait_for(lambda: len(stored_steps()) == 600, timeout=60, what="600 steps stored")
-        assert stored_steps() == list(range(600))  # each step exactly once, none lost
-        with VigilClient(ctl.url, token=admin) as client:
-            nodes = {n.id: n for n in client.list_nodes().data}
-            assert client.get_job(job.id).last_step == 599
-        node = nodes["node-ctl"]
-        assert node.agent_id == cfg.agent_id and node.hostname == cfg.hostname
-        assert any(r.pid == os.getpid() for r in node.ranks)
-        assert node.host["agent"]["spooled_batches"] == 0
-        assert not any(cfg.spool_dir.glob("*.json.gz"))
-    finally:
-        ctl.stop()
+    with AgentThread(cfg):
+        send_job_steps(cfg.socket_path, job.id, 0, 300)
+        wait_for(lambda: len(stored_steps()) == 300, what="300 steps stored")
+        ctl.stop()  # the controller goes away
+        send_job_steps(cfg.socket_path, job.id, 300, 600)
+        wait_for(lambda: any(cfg.spool_dir.glob("*.json.gz")), what="batches spooled")
+        ctl.start()  # a new controller process on the same database and port
+        wait_for(lambda: len(stored_steps()) == 600, timeout=60, what="600 steps stored")
+    assert stored_steps() == list(range(600))  # each step exactly once, none lost
+    with VigilClient(ctl.url, token=admin) as client:
+        nodes = {n.id: n for n in client.list_nodes().data}
+        assert client.get_job(job.id).last_step == 599
+    node = nodes["node-ctl"]
+    assert node.agent_id == cfg.agent_id and node.hostname == cfg.hostname
+    assert any(r.pid == os.getpid() for r in node.ranks)
+    assert node.host["agent"]["spooled_batches"] == 0
+    assert not any(cfg.spool_dir.glob("*.json.gz"))
 
 
 STUCK_RANK = """
@@ -135,7 +97,7 @@ vigil_stuck_in_collective()
 """
 
 
-def test_commands_from_the_controller_are_carried_out_and_answered_once(short_dir):
+def test_commands_from_the_controller_are_carried_out_and_answered_once(short_dir, live_controller: LiveController):
     """The real routes and auth: the controller queues commands, the agent (agent token) fetches
     them, carries them out on a real throwaway "rank" process and answers; py-spy stacks end up
     stored by the controller."""
@@ -146,8 +108,7 @@ def test_commands_from_the_controller_are_carried_out_and_answered_once(short_di
     from controller.recovery.commands import enqueue
     from controller.schemas import CommandKind
 
-    ctl = Controller(short_dir)
-    ctl.start()
+    ctl = live_controller
     rank = subprocess.Popen([sys.executable, "-c", STUCK_RANK])
     try:
         admin = issue_token(ctl.app, "admin")
@@ -206,4 +167,3 @@ def test_commands_from_the_controller_are_carried_out_and_answered_once(short_di
     finally:
         rank.kill()
         rank.wait(10)
-        ctl.stop()

@@ -1,8 +1,9 @@
-"""Test harness for the dashboard: a live ASGI server in a thread and a real Chromium.
+"""Test harness for the dashboard: mounting it in the controller, and a real Chromium.
 
-* :func:`start_live_server` serves any ASGI app (the controller double of
-  :mod:`tests.dashboard.fake_controller`, or later the real ``controller.app.create_app()``) with
-  uvicorn on a port the OS picks, in a daemon thread, and returns its base URL.
+* :func:`start_live_server` serves any ASGI app with uvicorn on a port the OS picks, in a daemon
+  thread, and returns its base URL (the controller tests use it; the dashboard tests use the real
+  controller, served by :mod:`tests.live_controller`).
+* :func:`mount_dashboard` mounts the dashboard in a controller app the way the controller does.
 * :class:`Browser` drives Debian's Chromium through Debian's chromedriver with selenium (explicit
   ``Service("/usr/bin/chromedriver")``; never a browser or driver downloaded by a test tool), and
   reads Plotly graphs straight from their DOM nodes.
@@ -209,23 +210,17 @@ class Browser:
 # --------------------------------------------------------------------------------------------------
 
 
-def with_dashboard(
-    make_api_app: Callable[[str], Any], *, token: str | None = None, refresh_ms: int = 1000
-) -> Callable[[str], Any]:
-    """Wrap an API app factory so the dashboard is mounted at ``/dashboard``, as the controller does.
+def mount_dashboard(api_app: Any, api_url: str, *, token: str | None = None, refresh_ms: int = 1000) -> None:
+    """Mount the dashboard at ``/dashboard`` of ``api_app``, as the controller does, reading ``api_url``.
 
     Exactly the controller's mounting: ``app.mount("/dashboard", a2wsgi.WSGIMiddleware(dash_app.server))``
     with the dashboard's default ``requests_pathname_prefix="/dashboard/"``; the dashboard reads the
-    API of the same server.
+    API of the same server. Unlike the controller's own mount, the token and the refresh period are
+    the test's.
     """
     from a2wsgi import WSGIMiddleware
 
     from dashboard.app import create_dash_app
 
-    def make(url: str) -> Any:
-        api_app = make_api_app(url)
-        dash_app = create_dash_app(url, token=token, refresh_ms=refresh_ms)
-        api_app.mount("/dashboard", WSGIMiddleware(dash_app.server))
-        return api_app
-
-    return make
+    dash_app = create_dash_app(api_url, token=token, refresh_ms=refresh_ms)
+    api_app.mount("/dashboard", WSGIMiddleware(dash_app.server))

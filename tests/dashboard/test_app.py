@@ -7,8 +7,8 @@ are driven through Dash's own ``_dash-update-component`` endpoint, as the browse
 Also: the standalone entry point, two apps in one process, error display, and that importing
 the dashboard pulls in neither torch nor ray.
 
-Needs: fastapi, uvicorn, a2wsgi, httpx; the controller TEST DOUBLE of :mod:`.fake_controller`
-(until ``controller.app.create_app()`` exists). No browser.
+Needs: fastapi, uvicorn, a2wsgi, httpx; the REAL controller (``dashboard_site``: ``create_app()`` on
+SQLite served live, seeded through its REST API, see ``conftest.py``). No browser.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from dashboard.app import _normalise_prefix, create_dash_app
-from tests.dashboard.conftest import TOKEN, Site
+from tests.dashboard.conftest import Site
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,6 +136,7 @@ def _closed_port_url() -> str:
 
 
 def test_mounted_under_dashboard_prefix(dashboard_site: Site) -> None:
+    abc, new = dashboard_site.demo.abc, dashboard_site.demo.new
     with httpx.Client(base_url=dashboard_site.url, timeout=30) as client:
         http = _Http(client)
         r = client.get("/dashboard/")
@@ -156,37 +157,45 @@ def test_mounted_under_dashboard_prefix(dashboard_site: Site) -> None:
         assert {"/dashboard/", "/dashboard/nodes", "/dashboard/events"} <= hrefs
 
         # The API beside the mount still answers.
-        assert client.get("/api/v1/jobs").json()["count"] == 2
+        assert client.get("/api/v1/jobs", headers=dashboard_site.headers()).json()["count"] == 2
 
         # Dash's page router strips the request prefix: /dashboard/jobs/<id> is the job page.
         routed = call_callback(
             http,
             "/dashboard/",
             "_pages_content.children",
-            {"_pages_location.pathname": "/dashboard/jobs/job-abc"},
+            {"_pages_location.pathname": f"/dashboard/jobs/{abc}"},
         )
         content = routed["_pages_content"]["children"]
-        assert "job-abc" in _strings(content)
+        assert abc in _strings(content)
         assert "job-detail-interval" in _strings(content)
 
         # The jobs callback reads the API through the client, with the token.
-        dashboard_site.state.auth_headers.clear()
         resp = call_callback(http, "/dashboard/", "jobs-table.children", {"jobs-interval.n_intervals": 0})
         table = _strings(resp["jobs-table"]["children"])
-        assert "/dashboard/jobs/job-abc" in table and "/dashboard/jobs/job-new" in table
+        assert f"/dashboard/jobs/{abc}" in table and f"/dashboard/jobs/{new}" in table
         assert "pydoc-dsm" in table
         assert resp["jobs-count"]["children"] == "2 jobs"
-        assert dashboard_site.state.auth_headers == [f"Bearer {TOKEN}"]
+        assert "jobs-error" not in resp or not _strings(resp["jobs-error"])
+
+    # ... and it needs that token: the controller refuses a dashboard without one.
+    tokenless = create_dash_app(dashboard_site.url, requests_pathname_prefix="/")
+    resp = call_callback(
+        _Http(tokenless.server.test_client()), "/", "jobs-table.children", {"jobs-interval.n_intervals": 0}
+    )
+    assert "jobs-table" not in resp
+    assert any("controller answered 401" in s for s in _strings(resp["jobs-error"])), resp
 
 
 def test_job_callback_found_and_not_found(dashboard_site: Site) -> None:
+    abc = dashboard_site.demo.abc
     with httpx.Client(base_url=dashboard_site.url, timeout=30) as client:
         http = _Http(client)
         found = call_callback(
             http,
             "/dashboard/",
             "job-detail-loss.figure",
-            {"job-detail-interval.n_intervals": 0, "job-detail-id.data": "job-abc"},
+            {"job-detail-interval.n_intervals": 0, "job-detail-id.data": abc},
         )
         loss = found["job-detail-loss"]["figure"]
         assert [len(t["x"]) for t in loss["data"]] == [20, 20, 17]
@@ -195,7 +204,7 @@ def test_job_callback_found_and_not_found(dashboard_site: Site) -> None:
         assert heat["type"] == "heatmap" and len(heat["z"]) == 3
         assert found["job-detail-interval"]["disabled"] is False  # RUNNING: keep polling
         assert "RUNNING" in _strings(found["job-detail-header"]["children"])
-        assert "rank 2 is slow" in _strings(found["job-detail-events"]["children"])
+        assert "slow_rank at step 10000 on rank 2" in _strings(found["job-detail-events"]["children"])
 
         missing = call_callback(
             http,
@@ -215,7 +224,7 @@ def test_pending_job_without_data_shows_waiting_figures(dashboard_site: Site) ->
             _Http(client),
             "/dashboard/",
             "job-detail-loss.figure",
-            {"job-detail-interval.n_intervals": 0, "job-detail-id.data": "job-new"},
+            {"job-detail-interval.n_intervals": 0, "job-detail-id.data": dashboard_site.demo.new},
         )
     for graph in ("job-detail-loss", "job-detail-throughput", "job-detail-step-time", "job-detail-heatmap"):
         fig = resp[graph]["figure"]
@@ -256,7 +265,7 @@ def test_two_apps_in_one_process_each_keep_callbacks_and_config(dashboard_site: 
         resp = call_callback(
             _Http(client), "/dashboard/", "jobs-table.children", {"jobs-interval.n_intervals": 0}
         )
-    assert "/dashboard/jobs/job-abc" in _strings(resp["jobs-table"]["children"])
+    assert f"/dashboard/jobs/{dashboard_site.demo.abc}" in _strings(resp["jobs-table"]["children"])
 
 
 def test_standalone_prefix_and_argument_checks() -> None:

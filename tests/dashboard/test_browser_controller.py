@@ -1,7 +1,8 @@
 """The dashboard in a real browser against the REAL controller (``controller.app.create_app``).
 
-The controller runs live (uvicorn, SQLite in ``tmp_path``, no Ray: the submitted job stays
-PENDING) with the dashboard mounted by the controller itself. The job and its per-rank steps
+The controller runs live (:class:`tests.live_controller.LiveController`: uvicorn, SQLite in
+``tmp_path``, a fake Ray launcher that leaves the submitted job PENDING) with the dashboard mounted by
+the controller itself (``create_app(mount_dashboard=True)``: its own URL, its own internal token). The job and its per-rank steps
 enter through the public REST API (``POST /jobs`` with an admin token, ``POST /telemetry`` with an
 agent token, as agents send them), so what the browser shows went through the controller's
 storage and its metrics endpoint; the dashboard reads it with its own (server-side) viewer token.
@@ -12,34 +13,18 @@ Needs: ``apt-get install -y chromium chromium-driver`` (skipped without), seleni
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from controller.client import VigilClient
 from controller.schemas import Heartbeat, JobCreate, RankProcess, StepSample, TelemetryBatch
-from tests.auth import issue_token
 from tests.dashboard.harness import Browser
+from tests.live_controller import LiveController
 
 POINTS = {0: 12, 1: 9}  # steps reported per rank; unequal, so a mixed-up trace shows
 
 
-def _controller_factory(tmp_path: Path, apps: list[Any]) -> Callable[[str], Any]:
-    from controller.app import create_app
-    from controller.settings import Settings
-
-    def make(url: str) -> Any:
-        settings = Settings(
-            home=tmp_path, database_url=f"sqlite:///{tmp_path / 'vigil.db'}", controller_url=url
-        )
-        apps.append(create_app(settings, None, background=False, mount_dashboard=True))
-        return apps[-1]
-
-    return make
-
-
-def _feed(url: str, app: Any) -> str:
-    with VigilClient(url, token=issue_token(app, "admin")) as client:
+def _feed(ctl: LiveController) -> str:
+    with ctl.client("admin") as client:
         job = client.submit_job(JobCreate(name="browser-e2e", steps=50))
         now = time.time()
         samples = [
@@ -60,7 +45,7 @@ def _feed(url: str, app: Any) -> str:
         heartbeat = Heartbeat(
             ts=now, hostname="h1", ranks=[RankProcess(job_id=job.id, rank=r, pid=100 + r) for r in POINTS]
         )
-    with VigilClient(url, token=issue_token(app, "agent")) as agent:
+    with VigilClient(ctl.url, token=ctl.token("agent")) as agent:
         ack = agent.post_telemetry(
             TelemetryBatch(
                 agent_id="agent-1", node_id="node-1", seq=0, sent_at=now, samples=samples, heartbeat=heartbeat
@@ -70,12 +55,10 @@ def _feed(url: str, app: Any) -> str:
         return job.id
 
 
-def test_real_controller_jobs_and_job_page(
-    browser: Browser, live_server: Callable[[Callable[[str], Any]], str], tmp_path: Path
-) -> None:
-    apps: list[Any] = []
-    url = live_server(_controller_factory(tmp_path, apps))
-    job_id = _feed(url, apps[0])
+def test_real_controller_jobs_and_job_page(browser: Browser, tmp_path: Path) -> None:
+    ctl = LiveController(tmp_path, mount_dashboard=True).start()
+    url = ctl.url
+    job_id = _feed(ctl)
     browser.blank()
     try:
         browser.get(f"{url}/dashboard/")
@@ -100,3 +83,4 @@ def test_real_controller_jobs_and_job_page(
         assert browser.console_errors() == []
     finally:
         browser.blank()
+        ctl.stop()

@@ -12,7 +12,7 @@ import pytest
 
 from controller.schemas import JobMetrics, RankSeries
 from dashboard import figures
-from tests.dashboard.fake_controller import make_metrics, rank_series
+from tests.dashboard.samples import make_metrics, rank_series
 
 
 def _annotations(fig: go.Figure) -> list[str]:

@@ -13,7 +13,7 @@ from dash import dcc, html
 
 from controller.schemas import EventsPublic, JobsPublic, JobStatus, NodesPublic, NodeState, RankProcess
 from dashboard import tables
-from tests.dashboard.fake_controller import demo_state, make_event, make_job, make_node
+from tests.dashboard.samples import make_event, make_job, make_node
 
 
 def _walk(component: Any) -> list[Any]:
@@ -38,8 +38,13 @@ def _rows(table: html.Table, cls: str) -> list[html.Tr]:
 
 
 def test_jobs_table_row_per_job_with_prefixed_links() -> None:
-    state = demo_state()
-    jobs = JobsPublic(data=list(state.jobs.values()), count=2)
+    jobs = JobsPublic(
+        data=[
+            make_job("job-abc", "pydoc-dsm", JobStatus.RUNNING, steps=100, last_step=19, last_loss=1.6778),
+            make_job("job-new", "fresh", JobStatus.PENDING, workers=(2, 2), optimizer="adamw", minutes_ago=1),
+        ],
+        count=2,
+    )
     table = tables.jobs_table(jobs, "/dashboard/")
     rows = _rows(table, "vigil-job-row")
     assert [r.to_plotly_json()["props"]["data-job-id"] for r in rows] == ["job-abc", "job-new"]
