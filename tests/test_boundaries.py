@@ -153,3 +153,46 @@ def test_runtime_imports_respect_boundaries(modules: list[str], forbidden: list[
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        check=False)
     assert r.returncode == 0, f"importing {modules} pulled in {r.stdout.strip()} {r.stderr[-2000:]}"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path, known: set[str]) -> set[str]:
+    """What importing ``path`` imports at once (module level; ``if TYPE_CHECKING:`` blocks excluded)."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            continue
+        if not isinstance(node, ast.Import | ast.ImportFrom | ast.Try | ast.If):
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, ast.Import):
+                out |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                out |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    return out & known
+
+
+def test_no_import_cycles() -> None:
+    """No module imports, at import time, a module that imports it back (directly or around a circle)."""
+    paths = {_module_name(p): p for p in _sources("agent", "controller", "dashboard", "trainer", "examples")}
+    graph = {m: _top_level_imports(p, set(paths)) - {m} for m, p in paths.items()}  # a package naming itself
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append([*path[path.index(n):], n])
+            elif n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == [], f"import cycles: {cycles}"
