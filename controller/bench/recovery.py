@@ -39,12 +39,11 @@ from controller.checkpoint_layout import job_checkpoint_root, newest_complete
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import poll
-from controller.schemas import JobCreate
+from controller.schemas import FaultCreate, JobCreate
 from controller.settings import Settings
 
 log = logging.getLogger("vigil.bench.recovery")
 
-API = "/api/v1"
 
 
 def job_spec(name: str, steps: int, policy: str = "evict_restart", ckpt: int = 10, batch: int = 32) -> JobCreate:
@@ -80,11 +79,18 @@ class Runner:
         self.slow_mode = slow_mode
         self.client = VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30)
 
-    def get(self, path: str, **params: Any) -> Any:
-        return self.client._request("GET", f"{API}{path}", params=params)
+    # The controller's answers as JSON-like dicts, read through the typed client.
+    def inject(self, job_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.client.inject_fault(job_id, FaultCreate.model_validate(body)).model_dump(mode="json")
 
-    def post(self, path: str, body: dict | None = None) -> Any:
-        return self.client._request("POST", f"{API}{path}", json=body or {})
+    def faults(self, job_id: str) -> list[dict[str, Any]]:
+        return [f.model_dump(mode="json") for f in self.client.list_faults(job_id).data]
+
+    def incidents(self, job_id: str) -> list[dict[str, Any]]:
+        return [i.model_dump(mode="json") for i in self.client.job_incidents(job_id).data]
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return [e.model_dump(mode="json") for e in self.client.list_events(job_id=job_id, limit=1000).data]
 
     def reach(self, job_id: str, step: int, timeout: float = 300) -> bool:
         return bool(poll(lambda: (self.client.get_job(job_id).last_step or 0) >= step, timeout))
@@ -166,13 +172,13 @@ class Runner:
                 body["params"] = {"factor": self.slow_factor, "mode": self.slow_mode}
             if in_rank:
                 body["step"] = hit_step
-            self.post(f"/jobs/{job.id}/faults", body)
-            fault = poll(lambda: next((f for f in self.get(f"/jobs/{job.id}/faults")["data"]
+            self.inject(job.id, body)
+            fault = poll(lambda: next((f for f in self.faults(job.id)
                                         if f["fired_at"]), None), 60, 0.5)
             if fault:
                 fired = _ts(fault["fired_at"]) or fired
                 fault_step = self._step_at(fault.get("message", "")) or fault_step
-        inc = poll(lambda: next((i for i in self.get(f"/jobs/{job.id}/incidents")["data"]
+        inc = poll(lambda: next((i for i in self.incidents(job.id)
                                   if i["kind"] == expected_kind and (expected_kind != "hang" or i["rank"] is not None)),
                                  None), 180, 0.5)
         # The step the fault hit: a fault file's own step, or the step the job had reached when the
@@ -192,7 +198,7 @@ class Runner:
                 job.id, target_rank, hit_step, inc.get("step_at_detect") if inc else None)
         if inc is None:
             return out
-        inc = next(i for i in self.get(f"/jobs/{job.id}/incidents")["data"] if i["id"] == inc["id"])
+        inc = next(i for i in self.incidents(job.id) if i["id"] == inc["id"])
         out["detected"] = True
         out["time_to_detect_s"] = round((_ts(inc["detected_at"]) or fired) - fired, 2)
         if kind == "nan_loss":
@@ -214,7 +220,7 @@ class Runner:
         out["action"] = inc.get("action")
         for n in self.client.list_nodes().data:  # give an evicted node back for the next fault
             if n.state.value == "EVICTED":
-                self.post(f"/nodes/{n.id}/readmit")
+                self.client.readmit_node(n.id)
                 poll(lambda n=n: any(x.id == n.id and x.state.value == "ALIVE"
                                       for x in self.client.list_nodes().data), 60)
                 time.sleep(10)  # the fresh raylet registers with Ray
@@ -236,7 +242,7 @@ class Runner:
         if not self.reach(job.id, at):
             out["error"] = "job did not reach the fault step"
             return out
-        self.post(f"/jobs/{job.id}/faults", {"kind": "hang_rank", "rank": 1, "step": 0})
+        self.inject(job.id, {"kind": "hang_rank", "rank": 1, "step": 0})
 
         def frozen() -> int | None:
             before = self.client.get_job(job.id).last_step
@@ -249,7 +255,7 @@ class Runner:
             out["error"] = "the job did not freeze, or has no complete checkpoint"
             return out
         newest, newest_dir = found
-        self.post(f"/jobs/{job.id}/faults", {"kind": "corrupt_checkpoint", "step": 0})
+        self.inject(job.id, {"kind": "corrupt_checkpoint", "step": 0})
         def corrupted() -> bool:
             return any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp"))
 
@@ -257,9 +263,9 @@ class Runner:
             out["error"] = "the checkpoint was not corrupted"
             return out
         fired = time.time()
-        self.post(f"/jobs/{job.id}/faults", {"kind": "kill_rank", "rank": 1, "step": 0})
+        self.inject(job.id, {"kind": "kill_rank", "rank": 1, "step": 0})
         out["status"] = self.finish(job.id)
-        events = [e for e in self.get("/events", job_id=job.id, limit=1000)["data"]
+        events = [e for e in self.events(job.id)
                   if e["kind"] == "checkpoint_invalid"]
         restored = re.search(r"rank 0 restored step (\d+) from", self.client.job_logs(job.id).logs)
         out["corrupted_step"] = newest
@@ -282,8 +288,8 @@ class Runner:
         (forward+backward) over its peers' median: how much slower the fault really made it."""
         if first is None:
             return None
-        rows = self.get(f"/jobs/{job_id}/steps", since_step=first + 1, until_step=last or first + 40,
-                        max_points=100_000)["data"]
+        rows = self.client.job_steps(job_id, since_step=first + 1, until_step=last or first + 40,
+                                     max_points=100_000).model_dump(mode="json")["data"]
         by_step: dict[int, dict[int, float]] = {}
         for series in rows:
             for st, c in zip(series["step"], series["fwd_bwd_s"], strict=True):
@@ -318,7 +324,7 @@ class Runner:
     def clean_run(self, steps: int) -> dict[str, Any]:
         job = self.client.submit_job(job_spec("bench-clean", steps))
         status = self.finish(job.id, timeout=steps * 2 + 300)
-        incidents = self.get(f"/jobs/{job.id}/incidents")["data"]
+        incidents = self.incidents(job.id)
         return {"job_id": job.id, "status": status, "steps": steps, "incidents": len(incidents),
                 "kinds": sorted({i["kind"] for i in incidents})}
 
@@ -330,7 +336,7 @@ class Runner:
         while at < steps:
             if not self.reach(job.id, at, timeout=600):
                 break
-            self.post(f"/jobs/{job.id}/faults", {"kind": "kill_rank", "rank": faults % 2, "step": at})
+            self.inject(job.id, {"kind": "kill_rank", "rank": faults % 2, "step": at})
             faults += 1
             at += fault_every
         self.finish(job.id, timeout=3600)

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self
 
+import psutil
 from pydantic import ValidationError
 
 from agent.main import AgentConfig, run_agent
@@ -291,3 +292,14 @@ class AgentThread:
         self.thread.join(20)
         assert not self.thread.is_alive(), "agent did not stop"
         assert self.error is None, self.error
+
+
+def state(pid: int) -> str:
+    try:
+        return str(psutil.Process(pid).status())
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def gone(pid: int) -> bool:
+    return state(pid) in ("gone", psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
