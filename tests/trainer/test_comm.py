@@ -178,4 +178,6 @@ def test_reduce_scatter_on_gloo_moves_a_ring_reduce_scatters_bytes(private_loopb
         assert exact and close and avg_exact
     ours, gloo = per_rank[0][3], per_rank[0][4]  # this lo counts every rank's traffic (plus barriers), no one else's
     assert ours == pytest.approx(world * (world - 1) / world * payload, rel=0.05)
-    assert gloo == pytest.approx(2 * ours, rel=0.05)
+    # gloo picks its all-reduce algorithm itself (seen: 2.0x and 2.2x of ours, on a private loopback):
+    # at least about twice, never an exact figure.
+    assert gloo >= 1.9 * ours, (gloo, ours)
