@@ -17,22 +17,26 @@ from controller.schemas import (
     FaultCreate,
     FaultPublic,
     FaultsPublic,
+    GoodputPublic,
     Health,
     IncidentPublic,
     IncidentsPublic,
     JobCollectivesPublic,
     JobCreate,
     JobMetrics,
+    JobOverviewPublic,
     JobPublic,
     JobsPublic,
     JobStepsPublic,
     LogsPublic,
     NodeActionPublic,
     NodeCommandsPublic,
+    NodeHistoryPublic,
     NodesPublic,
     PackagePublic,
     RecoverRequest,
     StacksPublic,
+    StepHeatmapPublic,
     TelemetryAck,
     TelemetryBatch,
     TokenCreate,
@@ -237,6 +241,30 @@ class VigilClient:
                             ranks=ranks, ops=ops, max_points=max_points, raw=raw, raw_limit=raw_limit)
         return JobCollectivesPublic.model_validate(
             self._request("GET", f"{API}/jobs/{job_id}/collectives", params=params))
+
+    # -- derived views (dashboard, CLI) -----------------------------------------------------------
+    def job_overview(
+        self, job_id: str, *, since_step: int | None = None, top_k: int = 10, max_points: int = 2000,
+    ) -> JobOverviewPublic:
+        """Job-wide figures per step, the slowest ranks and the markers (``GET /jobs/{id}/overview``)."""
+        params = _drop_none(since_step=since_step, top_k=top_k, max_points=max_points)
+        return JobOverviewPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/overview", params=params))
+
+    def job_heatmap(
+        self, job_id: str, *, since_step: int | None = None, max_ranks: int = 128, max_steps: int = 200,
+    ) -> StepHeatmapPublic:
+        """Step time rank x step, binned server side (``GET /jobs/{id}/heatmap``)."""
+        params = _drop_none(since_step=since_step, max_ranks=max_ranks, max_steps=max_steps)
+        return StepHeatmapPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/heatmap", params=params))
+
+    def job_goodput(self, job_id: str) -> GoodputPublic:
+        """Productive time against time lost per cause, and the ETTR (``GET /jobs/{id}/goodput``)."""
+        return GoodputPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/goodput"))
+
+    def node_history(self, node_id: str, *, since_ts: float | None = None, max_points: int = 500) -> NodeHistoryPublic:
+        """A node's host metrics over time (``GET /nodes/{id}/history``)."""
+        params = _drop_none(since_ts=since_ts, max_points=max_points)
+        return NodeHistoryPublic.model_validate(self._request("GET", f"{API}/nodes/{node_id}/history", params=params))
 
     def prometheus_metrics(self) -> str:
         """The controller's ``/metrics`` text (Prometheus exposition format)."""

@@ -5,7 +5,7 @@ Every field says what it means and what it accepts; invalid input raises a ``Val
 that names the field and the rule, which the API returns as 422.
 
 One module per domain: :mod:`.common` (limits, text rules, the strict base), :mod:`.jobs`,
-:mod:`.telemetry`, :mod:`.nodes` (nodes, events, health), :mod:`.tokens`, :mod:`.recovery`. Import
+:mod:`.telemetry`, :mod:`.nodes` (nodes, events, health), :mod:`.tokens`, :mod:`.recovery`, :mod:`.views` (derived read views). Import
 from ``controller.schemas``: every public name is here.
 """
 
@@ -110,6 +110,16 @@ from controller.schemas.tokens import (
     TokenPublic,
     TokensPublic,
 )
+from controller.schemas.views import (
+    LOST_CAUSES,
+    MARKER_KINDS,
+    GoodputPublic,
+    JobMarker,
+    JobOverviewPublic,
+    NodeHistoryPublic,
+    RankSummary,
+    StepHeatmapPublic,
+)
 
 __all__ = [
     "DEFAULT_ENTRYPOINT",
@@ -119,6 +129,8 @@ __all__ = [
     "ID_PATTERN",
     "INT32_MAX",
     "INT64_MAX",
+    "LOST_CAUSES",
+    "MARKER_KINDS",
     "MAX_TELEMETRY_ITEMS",
     "NAME_MAX",
     "NODE_ID_PATTERN",
@@ -148,6 +160,7 @@ __all__ = [
     "FaultStatus",
     "FaultsPublic",
     "Finite",
+    "GoodputPublic",
     "Health",
     "Heartbeat",
     "IncidentKind",
@@ -156,7 +169,9 @@ __all__ = [
     "IncidentsPublic",
     "JobCollectivesPublic",
     "JobCreate",
+    "JobMarker",
     "JobMetrics",
+    "JobOverviewPublic",
     "JobPublic",
     "JobRef",
     "JobStatus",
@@ -169,6 +184,7 @@ __all__ = [
     "NodeActionPublic",
     "NodeCommand",
     "NodeCommandsPublic",
+    "NodeHistoryPublic",
     "NodePublic",
     "NodeState",
     "NodesPublic",
@@ -180,6 +196,7 @@ __all__ = [
     "RankSample",
     "RankSeries",
     "RankStepsPublic",
+    "RankSummary",
     "RecoverRequest",
     "RecoveryPolicy",
     "RecoverySpec",
@@ -188,6 +205,7 @@ __all__ = [
     "ScalingSpec",
     "StackGroup",
     "StacksPublic",
+    "StepHeatmapPublic",
     "StepSample",
     "TelemetryAck",
     "TelemetryBatch",
