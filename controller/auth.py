@@ -66,6 +66,13 @@ ROUTE_POLICY: dict[tuple[str, str], frozenset[Role] | str] = {
     ("POST", f"{API}/telemetry"): INGEST,
     ("GET", f"{API}/jobs/{{job_id}}/steps"): READ,
     ("GET", f"{API}/jobs/{{job_id}}/collectives"): READ,
+    # derived views (controller/api/views.py)
+    ("GET", f"{API}/jobs/{{job_id}}/overview"): READ,
+    ("GET", f"{API}/jobs/{{job_id}}/heatmap"): READ,
+    ("GET", f"{API}/jobs/{{job_id}}/goodput"): READ,
+    ("GET", f"{API}/nodes/{{node_id}}/history"): READ,
+    # who am I: any valid token (the dashboard's sign-in checks a token's role with it)
+    ("GET", f"{API}/whoami"): READ | INGEST,
     ("GET", "/metrics"): METRICS,  # Prometheus (controller/prometheus.py)
     # recovery (controller/api/recovery.py)
     ("POST", f"{API}/jobs/{{job_id}}/faults"): WRITE,

@@ -244,10 +244,11 @@ class VigilClient:
 
     # -- derived views (dashboard, CLI) -----------------------------------------------------------
     def job_overview(
-        self, job_id: str, *, since_step: int | None = None, top_k: int = 10, max_points: int = 2000,
+        self, job_id: str, *, since_step: int | None = None, top_k: int = 10, rank_window: int = 50,
+        max_points: int = 2000,
     ) -> JobOverviewPublic:
         """Job-wide figures per step, the slowest ranks and the markers (``GET /jobs/{id}/overview``)."""
-        params = _drop_none(since_step=since_step, top_k=top_k, max_points=max_points)
+        params = _drop_none(since_step=since_step, top_k=top_k, rank_window=rank_window, max_points=max_points)
         return JobOverviewPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/overview", params=params))
 
     def job_heatmap(

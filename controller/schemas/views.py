@@ -38,7 +38,7 @@ class JobMarker(BaseModel):
 
 
 class RankSummary(BaseModel):
-    """One rank over the overview's window (the slowest ranks are listed by this)."""
+    """One rank over the job's last ``rank_window`` steps (the slowest ranks are listed by this)."""
 
     rank: int
     node_id: str
@@ -65,8 +65,10 @@ class JobOverviewPublic(BaseModel):
     step_time_max_s: list[float]
     slowest_rank: list[int] = Field(..., description="The rank with the max step time at that step.")
     reporting: list[int] = Field(..., description="Ranks that reported the step.")
+    wire_bytes: list[int] = Field(..., description="Bytes the step's collectives put on the wire, summed over ranks.")
     slowest_ranks: list[RankSummary] = Field(
-        ..., description="The ``top_k`` ranks of the window with the highest mean step time, slowest first.")
+        ..., description="The ``top_k`` ranks with the highest mean step time over the job's last ``rank_window`` "
+        "steps (whatever ``since_step``), slowest first.")
     markers: list[JobMarker] = Field(..., description="Restarts, evictions, incidents, checkpoints, faults.")
     last_step: int | None = Field(..., description="Newest step in the window (pass it + 1 as since_step next time).")
 
