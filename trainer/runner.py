@@ -17,12 +17,13 @@ import logging
 import runpy
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from controller.schemas import Entrypoint, JobCreate, parse_entrypoint
+from controller.schemas import TRAINING_THREAD, Entrypoint, JobCreate, parse_entrypoint
 from controller.settings import fault_file_path, storage_path_from_env
 from trainer import checkpoint, sdk
 
@@ -100,6 +101,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from controller.settings import agent_socket_path, get_settings
     from trainer.telemetry import RankTelemetry
 
+    # Ray Train runs this function in a thread of the worker process, whose main thread idles in Ray's
+    # worker loop: the name lets a py-spy dump of a hung rank be read from the right thread.
+    threading.current_thread().name = TRAINING_THREAD
     spec = JobCreate.model_validate(config["spec"])
     entry = parse_entrypoint(spec.entrypoint)
     job_id = str(config["job_id"])

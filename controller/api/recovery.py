@@ -12,7 +12,7 @@ from controller.api.deps import JobId, NodeId, RowId, SessionDep
 from controller.models import Fault, Incident, Node, StackDump
 from controller.recovery import checkpoints, commands, faults
 from controller.recovery.actions import HeadNodeError, evict_node, is_head_node, readmit_node, restart_job
-from controller.recovery.stacks import group_stacks
+from controller.recovery.stacks import group_stacks, training_thread_first
 from controller.schemas import (
     ID_PATTERN,
     CheckpointsPublic,
@@ -127,7 +127,7 @@ def job_stacks(job_id: JobId, session: SessionDep) -> StacksPublic:
     stacks = {d.rank: d.stack for d in rows}
     groups, odd = group_stacks(stacks) if stacks else ([], [])
     return StacksPublic(job_id=job_id, collected_at=max((d.collected_at for d in rows), default=None), groups=groups,
-                        odd_ranks=odd, stacks=stacks)
+                        odd_ranks=odd, stacks={r: training_thread_first(t) for r, t in stacks.items()})
 
 
 # -- manual recovery -------------------------------------------------------------------------------------

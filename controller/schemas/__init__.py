@@ -62,6 +62,7 @@ from controller.schemas.nodes import (
 )
 from controller.schemas.recovery import (
     SLOW_MODES,
+    TRAINING_THREAD,
     CheckpointPublic,
     CheckpointsPublic,
     CommandKind,
@@ -139,6 +140,7 @@ __all__ = [
     "STORED",
     "TERMINAL_STATUSES",
     "TEXT_MAX",
+    "TRAINING_THREAD",
     "TS_MAX",
     "CheckpointPublic",
     "CheckpointSample",

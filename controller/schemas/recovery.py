@@ -227,12 +227,19 @@ class CheckpointsPublic(BaseModel):
     count: int
 
 
+TRAINING_THREAD = "vigil-train"
+"""Name Vigil gives the thread that runs a rank's training function (``trainer/runner.py``), so that
+its stack can be told from the process's other threads: under Ray Train the process's *main* thread
+idles in Ray's worker loop on every rank, and only the training thread shows where a rank is stuck."""
+
+
 class StackGroup(BaseModel):
-    """Ranks whose stacks share one signature (the innermost frames)."""
+    """Ranks whose stacks share one signature (the innermost frames of the training thread)."""
 
     signature: str
     ranks: list[int]
-    sample: str
+    sample: str = Field(description="One rank's stack, its training thread first.")
+    thread: str = Field("", description="The thread the signature was taken from (its name in py-spy's dump).")
 
 
 class StacksPublic(BaseModel):
@@ -240,7 +247,7 @@ class StacksPublic(BaseModel):
     collected_at: datetime | None
     groups: list[StackGroup]
     odd_ranks: list[int] = Field(description="Ranks whose stack differs from the majority: the likely culprits.")
-    stacks: dict[int, str]
+    stacks: dict[int, str] = Field(description="Each rank's py-spy dump, its training thread first.")
 
 
 class RecoverRequest(_Strict):
