@@ -66,14 +66,15 @@ class LostNode:
 # -- nodes ----------------------------------------------------------------------------------------------
 
 
-def lost_nodes(s: Session, now: float, timeout_s: float) -> list[LostNode]:
-    """ALIVE nodes not heard from for more than ``timeout_s``."""
+def lost_nodes(s: Session, now: float, timeout_s: float, since: float | None = None) -> list[LostNode]:
+    """ALIVE nodes not heard from for more than ``timeout_s``, silence counted from ``since`` at the
+    earliest (the monitor's start: a restarted controller must not take its own absence for the nodes')."""
     out = []
     for node in reads.alive_nodes(s):
         if node.last_heartbeat is None:
             continue
         age = now - node.last_heartbeat.timestamp()
-        if age <= timeout_s:
+        if now - max(node.last_heartbeat.timestamp(), since or 0.0) <= timeout_s:
             continue
         jobs = {r.get("job_id") for r in node.ranks or []}
         running = [j for j in jobs if j and (job := s.get(Job, j)) and job.status == JobStatus.RUNNING.value]
@@ -152,8 +153,11 @@ def loss(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
 # -- hang -----------------------------------------------------------------------------------------------
 
 
-def hang(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: float) -> list[Finding]:
-    """No new step for max(``hang_k`` x median step time, ``hang_floor_s``)."""
+def hang(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: float,
+         since: float | None = None) -> list[Finding]:
+    """No new step for max(``hang_k`` x median step time, ``hang_floor_s``), silence counted from ``since``
+    at the earliest (the monitor's start: the steps of a controller's downtime arrive late, from the
+    agents' spools)."""
     if job.last_step is not None and job.last_step >= steps:
         return []  # the last step is done: the ranks are saving and exiting
     last_ts = reads.last_step_ts(s, job.id)
@@ -163,7 +167,7 @@ def hang(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: float) -
     median = statistics.median(times) if times else 0.0
     limit = max(th.hang_k * median, th.hang_floor_s)
     idle = now - last_ts
-    if idle <= limit:
+    if now - max(last_ts, since or 0.0) <= limit:
         return []
     return [Finding(IncidentKind.HANG, job.id, None, None,
                     {"idle_s": round(idle, 2), "limit_s": round(limit, 2), "median_step_s": round(median, 4),

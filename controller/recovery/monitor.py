@@ -15,7 +15,8 @@ background thread every ``interval`` seconds (:class:`~controller.background.Bac
    (:mod:`~controller.recovery.incidents`).
 
 Detection thresholds are per job (``recovery.thresholds``); the heartbeat timeout, which judges nodes,
-is the monitor's (``node_timeout_s``).
+is the monitor's (``node_timeout_s``). Silence is counted from the monitor's start at the earliest
+(``started_at``): after a controller restart, nodes and ranks get a full timeout to be heard again.
 
 The actions and the head-node check live in :mod:`controller.recovery.actions`; ``HeadNodeError``,
 ``is_head_node``, ``evict_node`` and ``readmit_node`` are re-exported here.
@@ -65,6 +66,9 @@ class Monitor(BackgroundLoop):
         self.interval = interval
         self.node_timeout_s = node_timeout_s
         self.clock = clock
+        self.started_at = clock()
+        """Silence that began before this (the controller's start) counts from here: a restarted
+        controller's own absence is not the nodes' or the ranks' (node_lost, hang)."""
         super().__init__()
         self._nic = nic_detector.NicDetector()  # keeps each node's heartbeat history across passes
 
@@ -81,8 +85,8 @@ class Monitor(BackgroundLoop):
 
     def _nodes(self, s: Session, now: float) -> None:
         for inc in detectors.nodes_heard_again(s):
-            incidents.close(inc, (inc.action or "") + "heartbeats resumed")
-        for lost in detectors.lost_nodes(s, now, self.node_timeout_s):
+            incidents.close(inc, (f"{inc.action}; " if inc.action else "") + "heartbeats resumed")
+        for lost in detectors.lost_nodes(s, now, self.node_timeout_s, since=self.started_at):
             actions.mark_node_dead(s, lost.node_id, lost.age_s)
             for finding in lost.findings:
                 job = s.get(Job, finding.job_id) if finding.job_id else None
@@ -97,7 +101,7 @@ class Monitor(BackgroundLoop):
         if hang is not None:
             self._respond_all(s, job, spec, detectors.diagnose_hang(s, job, hang, th, now))
         else:
-            self._detect(s, job, spec, IncidentKind.HANG, lambda: detectors.hang(s, job, spec.steps, th, now))
+            self._detect(s, job, spec, IncidentKind.HANG, lambda: detectors.hang(s, job, spec.steps, th, now, since=self.started_at))
         self._detect(s, job, spec, IncidentKind.STRAGGLER,
                      lambda: stragglers.detect(s, job, th, spec.checkpoint.interval_steps))
         self._respond_all(s, job, spec, self._detect_nic(s, job, now))

@@ -143,6 +143,30 @@ def test_node_lost_after_heartbeat_timeout(env: Env) -> None:
     assert nodes["vigil-node-2"] == "DEAD" and nodes["vigil-node-1"] == "ALIVE"
 
 
+def test_a_restarted_controller_does_not_take_its_own_absence_for_lost_nodes_or_a_hang(env: Env) -> None:
+    """The controller was down 30 s (no heartbeat, no step reached it); a new monitor starts: the nodes
+    and ranks get a full timeout from its start to be heard again, and they are: no incident at all."""
+    env.steps(1, 5)
+    env.monitor.step()
+    env.clock.now += 30.0  # the controller is down: nothing arrives
+    restarted = Monitor(env.monitor.sessions, env.launcher, env.cluster, clock=env.clock)
+    assert restarted.started_at == env.clock.now
+    restarted.step()
+    assert env.incidents() == []
+    nodes = {n["id"]: n["state"] for n in env.client.get(f"{API}/nodes").json()["data"]}
+    assert set(nodes.values()) == {"ALIVE"}
+    env.clock.now += 2.0  # the agents reconnect and replay: steps and heartbeats resume
+    env.steps(6, 8)
+    restarted.step()
+    assert env.incidents() == []
+    # A node still silent a full timeout after the restart is lost, counted from the restart.
+    env.clock.now += restarted.node_timeout_s + 0.5
+    env.heartbeats(["vigil-node-1"])
+    restarted.step()
+    inc = [i for i in env.incidents() if i["kind"] == "node_lost"]
+    assert [(i["node_id"], i["status"]) for i in inc] == [("vigil-node-2", "ACTING")]
+
+
 def test_kill_rank_fault_fires_at_step_and_death_is_named(env: Env) -> None:
     env.steps(1, 3)
     r = env.client.post(f"{API}/jobs/{env.job_id}/faults", json={"kind": "kill_rank", "rank": 1, "step": 5})
