@@ -4,8 +4,9 @@ Raw rows (``step_metrics``: one per rank and step; ``collective_metrics``: one p
 collective call) are what ingest appends. They are kept for ``VIGIL_RAW_RETENTION_S`` and then
 pruned; what stays for good are the aggregates computed here from them:
 
-* ``job_step_stats``: one row per (job, step) over all ranks (p50 / max step time, slowest rank,
-  most-waiting rank, bytes);
+* ``job_step_stats``: one row per (job, step) over all ranks (mean loss over the finite ones, mean
+  validation loss, total throughput, p50 / p90 / max step time, slowest rank, most-waiting rank,
+  bytes, and when the step ran: the kept attempt's start and the earlier attempts, see below);
 * ``rank_step_stats``: one row per (job, step, rank), the rank's step breakdown (data, fwd+bwd,
   optimizer, communication, wait inside collectives, bytes);
 * ``collective_step_stats``: one row per (job, step, op, group, tag): p50 / max / min over ranks of
@@ -34,6 +35,13 @@ the raw rows is idempotent, so the result never depends on arrival order and not
 twice. A rank that re-runs a step after a restart from a checkpoint replaces its earlier samples
 of that step (the latest sample per (rank, seq) wins).
 
+**Attempts.** A step's raw step samples also say when it ran (``[ts - step_time_s, ts]`` per rank):
+the ranks' latest samples that overlap the newest one in time are the kept attempt (its earliest
+start is ``start_ts``); every other sample (one a rank replaced, or a rank's latest one from an
+earlier run, e.g. of a rank evicted since) ran in an earlier attempt, whose time ranges are kept,
+merged, in ``reruns`` (``[[start, end], ...]``, None when the step ran once). The goodput view
+(:mod:`controller.views`) counts that time as lost.
+
 **Retention.** :func:`prune_raw` deletes raw rows of steps that are aggregated, not dirty, and
 whose newest sample is older than the window, a bounded number of rows per pass.
 """
@@ -41,6 +49,7 @@ whose newest sample is older than the window, a bounded number of rows per pass.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,10 +80,85 @@ RANK_STAT_COLUMNS = (
 )
 
 
+def nearest_rank(ordered: Sequence[float], pct: int) -> float:
+    """The ``pct``-th percentile of sorted values by the nearest-rank definition: the ``ceil(pct/100 n)``-th
+    smallest (integer arithmetic, so that 0.9 x 100 does not round up to the 91st); an observed value."""
+    return ordered[-(-pct * len(ordered) // 100) - 1]
+
+
 def p50(values: Sequence[float]) -> float:
     """Nearest-rank median (the lower middle value for an even count): always an observed value."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
+    return nearest_rank(sorted(values), 50)
+
+
+def p90(values: Sequence[float]) -> float:
+    """Nearest-rank 90th percentile."""
+    return nearest_rank(sorted(values), 90)
+
+
+def finite_mean(values: Iterable[float | None]) -> float | None:
+    """Mean of the finite values (None: there are none)."""
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(kept) / len(kept) if kept else None
+
+
+def step_figures(times: Mapping[int, float], losses: Iterable[float | None], val_losses: Iterable[float | None],
+                 tokens_per_s: Iterable[float | None]) -> dict[str, Any]:
+    """The job-wide figures of one step from its ranks' latest samples (``times``: rank -> step time):
+    :func:`p50`, :func:`p90`, max and its rank (the lowest on ties), means over finite losses.
+
+    The one definition the aggregator and the views (forming steps) share."""
+    out: dict[str, Any] = {
+        "loss_mean": finite_mean(losses),
+        "val_loss_mean": finite_mean(val_losses),
+        "tokens_per_s": sum(t for t in tokens_per_s if t is not None) if times else None,
+        "step_time_p50_s": None, "step_time_p90_s": None, "step_time_max_s": None, "slowest_rank": None,
+        "reporting": len(times),
+    }
+    if times:
+        ordered = sorted(times.values())
+        top = ordered[-1]
+        out.update(step_time_p50_s=nearest_rank(ordered, 50), step_time_p90_s=nearest_rank(ordered, 90),
+                   step_time_max_s=top, slowest_rank=min(r for r, t in times.items() if t == top))
+    return out
+
+
+def merge_spans(spans: Iterable[tuple[float, float]]) -> list[list[float]]:
+    """Overlapping ``(start, end)`` ranges merged, in time order."""
+    out: list[list[float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def attempt_spans(samples: Iterable[tuple[int, float, float]]) -> tuple[float | None, list[list[float]] | None]:
+    """When one step ran, from its ``(rank, ts, step_time_s)`` step samples in arrival order.
+
+    Returns the kept attempt's start (the earliest start among the ranks' latest samples that overlap,
+    transitively, the newest one) and the merged time ranges of the earlier attempts (None: none).
+    The ranks of one attempt run the step together (its collectives join them), so their ranges
+    overlap; a restart separates attempts by at least the time it takes.
+    """
+    latest: dict[int, tuple[float, float]] = {}
+    earlier: list[tuple[float, float]] = []
+    for rank, ts, st in samples:
+        if rank in latest:
+            earlier.append(latest[rank])
+        latest[rank] = (ts - (st or 0.0), ts)
+    if not latest:
+        return None, None
+    # The kept attempt: walking back from the newest end, every range that reaches the attempt so far.
+    spans = sorted(latest.values(), key=lambda s: s[1], reverse=True)
+    start = spans[0][0]
+    for s, e in spans[1:]:
+        if e >= start:
+            start = min(start, s)
+        else:
+            earlier.append((s, e))
+    return start, (merge_spans(earlier) or None)
 
 
 def _argmax(values: dict[int, float]) -> int:
@@ -95,6 +179,7 @@ class StepAggregates:
 _STEP_FIELDS = (
     StepMetric.rank, StepMetric.node_id, StepMetric.ts, StepMetric.loss, StepMetric.tokens_per_s,
     StepMetric.step_time_s, StepMetric.data_s, StepMetric.fwd_bwd_s, StepMetric.optim_s, StepMetric.comm_s,
+    StepMetric.val_loss,
 )
 _COLL_FIELDS = (
     CollectiveMetric.rank, CollectiveMetric.seq, CollectiveMetric.op, CollectiveMetric.group,
@@ -143,8 +228,9 @@ def waits_in_call(per_rank: Mapping[int, float]) -> dict[int, float]:
 def compute_step(job_id: str, step: int, step_rows: Iterable[Sequence[Any]],
                  coll_rows: Iterable[Sequence[Any]]) -> StepAggregates | None:
     """Aggregate one step from its raw rows (each iterable in arrival order, fields as ``_STEP_FIELDS``
-    and ``_COLL_FIELDS``). Later rows of the same (rank) or (rank, seq) replace earlier ones.
-    None when there is nothing to aggregate."""
+    and ``_COLL_FIELDS``; ``val_loss``, the last step field, may be left out). Later rows of the same
+    (rank) or (rank, seq) replace earlier ones. None when there is nothing to aggregate."""
+    step_rows = list(step_rows)
     steps: dict[int, Sequence[Any]] = {}
     for r in step_rows:
         steps[r[0]] = r
@@ -165,12 +251,15 @@ def compute_step(job_id: str, step: int, step_rows: Iterable[Sequence[Any]],
         kr.elements += elements
         kr.ts = max(kr.ts, ts)
         transfer.setdefault((op, group, tag), {})[seq] = fastest[seq]
-    return _assemble(job_id, step, steps, kinds, {k: sum(v.values()) for k, v in transfer.items()}, len(calls))
+    return _assemble(job_id, step, steps, kinds, {k: sum(v.values()) for k, v in transfer.items()}, len(calls),
+                     attempt_spans((r[0], r[2], r[5]) for r in step_rows))
 
 
 def _assemble(job_id: str, step: int, steps: dict[int, Sequence[Any]], kinds: dict[Kind, dict[int, _KindRank]],
-              transfer: dict[Kind, float], n_calls: int) -> StepAggregates | None:
-    """The three kinds of aggregate rows from per-rank step rows and per (kind, rank) collective totals."""
+              transfer: dict[Kind, float], n_calls: int,
+              spans: tuple[float | None, list[list[float]] | None] = (None, None)) -> StepAggregates | None:
+    """The three kinds of aggregate rows from per-rank step rows and per (kind, rank) collective totals
+    (``spans``: :func:`attempt_spans` of the step rows)."""
     if not steps and not kinds:
         return None
     collectives: list[dict[str, Any]] = []
@@ -229,13 +318,12 @@ def _assemble(job_id: str, step: int, steps: dict[int, Sequence[Any]], kinds: di
     times: dict[int, float] = {r["rank"]: r["step_time_s"] for r in ranks if r["step_time_s"] is not None}
     waits: dict[int, float] = {r["rank"]: r["comm_wait_s"] for r in ranks if r["comm_wait_s"] is not None}
     comms: list[float] = [r["comm_s"] for r in ranks if r["comm_s"] is not None]
-    losses: list[float] = [r["loss"] for r in ranks if r["loss"] is not None]
+    figures = step_figures(times, (r["loss"] for r in ranks), (s[10] if len(s) > 10 else None for s in steps.values()),
+                           (r["tokens_per_s"] for r in ranks))
     job = {
         "job_id": job_id, "step": step, "ts": max(r["ts"] for r in ranks), "ranks": len(ranks),
-        "loss_mean": sum(losses) / len(losses) if losses else None,
-        "step_time_p50_s": p50(list(times.values())) if times else None,
-        "step_time_max_s": max(times.values()) if times else None,
-        "slowest_rank": _argmax(times) if times else None,
+        **figures,
+        "start_ts": spans[0], "reruns": spans[1],
         "comm_s_max": max(comms) if comms else None,
         "comm_wait_max_s": max(waits.values()) if waits else None,
         "most_waiting_rank": _argmax(waits) if waits else None,
@@ -277,6 +365,7 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     if any(r[4] != r[5] for r in per_kind_rank):  # duplicates: the exact, row-by-row path
         coll_rows = session.execute(select(*_COLL_FIELDS).where(*where).order_by(C.id)).all()
         return compute_step(job_id, step, step_rows, coll_rows)
+    spans = attempt_spans((r[0], r[2], r[5]) for r in step_rows)
     kinds: dict[Kind, dict[int, _KindRank]] = {}
     n_calls = 0
     for op, group, tag, rank, count, _, dur, wait, payload, wire, elements, ts, node in per_kind_rank:
@@ -292,7 +381,7 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
         select(C.op, C.group, C.tag, C.seq).where(*where).group_by(C.op, C.group, C.tag, C.seq)
     ).all():
         transfer[(op, group, tag)] = transfer.get((op, group, tag), 0.0) + float(fastest[seq])
-    return _assemble(job_id, step, steps, kinds, transfer, n_calls)
+    return _assemble(job_id, step, steps, kinds, transfer, n_calls, spans)
 
 
 def write_step(session: Session, job_id: str, step: int, agg: StepAggregates | None) -> None:
@@ -455,6 +544,7 @@ class TelemetryMaintainer(BackgroundLoop):
 
 
 __all__ = [
-    "MaintenanceReport", "StepAggregates", "TelemetryMaintainer", "aggregate_ready", "compute_step", "load_step",
-    "p50", "prune_raw", "write_step",
+    "MaintenanceReport", "StepAggregates", "TelemetryMaintainer", "aggregate_ready", "attempt_spans", "compute_step",
+    "finite_mean", "load_step", "merge_spans", "nearest_rank", "p50", "p90", "prune_raw", "step_figures",
+    "write_step",
 ]

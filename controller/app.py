@@ -16,6 +16,7 @@ from controller import migrate
 from controller.aggregation import TelemetryMaintainer
 from controller.api import jobs, nodes, packages, recovery, telemetry, tokens
 from controller.api import metrics as metrics_routes
+from controller.api import views as view_routes
 from controller.api.deps import SessionDep
 from controller.auth import authorize, mint_internal_token
 from controller.db import make_engine, make_session_factory
@@ -131,6 +132,7 @@ def create_app(
     api.include_router(nodes.router)
     api.include_router(telemetry.router)
     api.include_router(metrics_routes.router)
+    api.include_router(view_routes.router)
     api.include_router(tokens.router)
     api.include_router(recovery.router)
     api.include_router(packages.router)

@@ -43,6 +43,7 @@ from controller.schemas import (
     TokenCreated,
     TokenPublic,
     TokensPublic,
+    WhoAmI,
 )
 
 API = "/api/v1"
@@ -158,6 +159,10 @@ class VigilClient:
 
     def revoke_token(self, token_id: str) -> TokenPublic:
         return TokenPublic.model_validate(self._request("POST", f"{API}/tokens/{token_id}/revoke"))
+
+    def whoami(self) -> WhoAmI:
+        """Who this client's token is: id, role, name and scope (``GET /whoami``; any valid token)."""
+        return WhoAmI.model_validate(self._request("GET", f"{API}/whoami"))
 
     # -- fault injection ------------------------------------------------------------------------
     def inject_fault(self, job_id: str, spec: FaultCreate) -> FaultPublic:

@@ -79,7 +79,10 @@ class StepMetric(Base):
     """One step of one rank (raw sample)."""
 
     __tablename__ = "step_metrics"
-    __table_args__ = (Index("ix_step_metrics_job_rank_step", "job_id", "rank", "step"),)
+    # (job, rank, step): a rank's series; (job, step): one step's rows (the aggregator, the views'
+    # forming steps), which the first index can only find by scanning every raw row of the job.
+    __table_args__ = (Index("ix_step_metrics_job_rank_step", "job_id", "rank", "step"),
+                      Index("ix_step_metrics_job_step", "job_id", "step"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
@@ -204,9 +207,14 @@ class TelemetryDirtyStep(Base):
 
 
 class JobStepStat(Base):
-    """One step of a job over all its ranks: the row a dashboard or Prometheus reads first."""
+    """One step of a job over all its ranks: the row a dashboard or Prometheus reads first.
+
+    The columns from ``step_time_p90_s`` to ``reruns`` came later (migration 0006): rows written
+    before have ``reporting`` None, and the views derive those figures from ``rank_step_stats``.
+    """
 
     __tablename__ = "job_step_stats"
+    __table_args__ = (Index("ix_job_step_stats_job_ts", "job_id", "ts"),)
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -222,6 +230,16 @@ class JobStepStat(Base):
     collectives: Mapped[int] = mapped_column(Integer, default=0)
     payload_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     wire_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    step_time_p90_s: Mapped[float | None] = mapped_column(Float)
+    val_loss_mean: Mapped[float | None] = mapped_column(Float)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    """Sum over the ranks that reported the step."""
+    reporting: Mapped[int | None] = mapped_column(Integer)
+    """Ranks with a step sample (``ranks`` also counts ranks seen only in collectives)."""
+    start_ts: Mapped[float | None] = mapped_column(Float)
+    """Earliest start (``ts - step_time_s``) over the ranks of the kept attempt."""
+    reruns: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True))
+    """``[[start, end], ...]`` of the step's earlier attempts (None: it ran once)."""
 
 
 class RankStepStat(Base):
@@ -356,6 +374,31 @@ class Incident(Base):
     acted_at: Mapped[datetime | None]
     recovered_at: Mapped[datetime | None]
     step_at_detect: Mapped[int | None] = mapped_column(Integer)
+
+
+class NodeHostSample(Base):
+    """A node's host metrics at one heartbeat, a few numbers out of ``Node.host`` (the node history).
+
+    At most one row per node per ``VIGIL_HOST_HISTORY_INTERVAL_S`` and the newest
+    ``VIGIL_HOST_HISTORY_MAX_ROWS`` per node are kept (:mod:`controller.host_history`).
+    """
+
+    __tablename__ = "node_host_samples"
+    __table_args__ = (Index("ix_node_host_samples_node_ts", "node_id", "ts"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(String(128))
+    ts: Mapped[float] = mapped_column(Float)
+    cpu_percent: Mapped[float | None] = mapped_column(Float)
+    memory_percent: Mapped[float | None] = mapped_column(Float)
+    disk_percent: Mapped[float | None] = mapped_column(Float)
+    load_1m: Mapped[float | None] = mapped_column(Float)
+    rx_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    tx_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    nic_errors_per_s: Mapped[float | None] = mapped_column(Float)
+    nic_drops_per_s: Mapped[float | None] = mapped_column(Float)
+    gpu_util_percent: Mapped[float | None] = mapped_column(Float)
+    gpu_memory_percent: Mapped[float | None] = mapped_column(Float)
 
 
 class StackDump(Base):

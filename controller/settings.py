@@ -62,6 +62,12 @@ class Settings(BaseSettings):
     )
     telemetry_interval_s: float = Field(1.0, gt=0, description="Period of the telemetry aggregation pass.")
     raw_prune_interval_s: float = Field(30.0, gt=0, description="Period of the pruning of raw samples.")
+    host_history_interval_s: float = Field(
+        5.0, ge=0, le=3600, description="Shortest time between two stored host samples of a node (node history)."
+    )
+    host_history_max_rows: int = Field(
+        2000, ge=10, le=1_000_000, description="Host samples kept per node, the newest (GET /nodes/{id}/history)."
+    )
     metrics_max_jobs: int = Field(20, ge=1, le=1000, description="Active jobs exported on /metrics (newest first).")
     metrics_max_ranks: int = Field(
         32, ge=1, le=4096, description="Ranks exported per job on /metrics: the slowest ones of the latest step."

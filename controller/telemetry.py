@@ -15,6 +15,8 @@ from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from controller.host_history import HostHistoryLimits
+from controller.host_history import record as record_host_sample
 from controller.models import (
     Base,
     Job,
@@ -115,13 +117,15 @@ def mark_dirty(session: Session, steps: Iterable[tuple[str, int]], now: float) -
     )
 
 
-def ingest(session: Session, batch: TelemetryBatch, now: float | None = None) -> TelemetryAck:
+def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
+           host_history: HostHistoryLimits | None = None) -> TelemetryAck:
     """Store ``batch`` once. A batch already seen (same agent and seq) is acknowledged and ignored.
 
     The raw rows are appended in bulk and every (job, step) they touch is marked dirty, all in the
     caller's transaction: the aggregates are derived later from what was committed (see
     :mod:`controller.aggregation`), so a controller killed at any point loses nothing and counts
-    nothing twice.
+    nothing twice. A heartbeat also adds a row to its node's bounded host history
+    (:mod:`controller.host_history`, ``host_history``: its bounds, default :class:`HostHistoryLimits`).
     """
     seen = session.scalar(
         select(TelemetryBatchSeen.id).where(
@@ -167,6 +171,9 @@ def ingest(session: Session, batch: TelemetryBatch, now: float | None = None) ->
 
         record_checkpoints(session, checkpoints)
     _touch_node(session, batch)
+    if batch.heartbeat is not None:
+        record_host_sample(session, batch.node_id, batch.heartbeat.ts, batch.heartbeat.host,
+                           host_history or HostHistoryLimits())
     session.flush()
     return TelemetryAck(accepted=True, duplicate=False, stored=stored)
 

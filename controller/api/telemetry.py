@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from controller.api.deps import SettingsDep
 from controller.auth import CurrentPrincipal, check_node_scope
 from controller.db import session_scope
+from controller.host_history import HostHistoryLimits
 from controller.schemas import TelemetryAck, TelemetryBatch
 from controller.telemetry import BodyTooLarge, decode_body, ingest
 from controller.tokens import Principal
@@ -41,11 +42,13 @@ async def post_telemetry(request: Request, settings: SettingsDep, principal: Cur
     return await run_in_threadpool(
         _decode_and_store, request.app.state.sessions, raw, request.headers.get("content-encoding"),
         settings.max_body_bytes, principal,
+        HostHistoryLimits(settings.host_history_interval_s, settings.host_history_max_rows),
     )
 
 
 def _decode_and_store(
-    sessions: sessionmaker[Session], raw: bytes, encoding: str | None, limit: int, principal: Principal
+    sessions: sessionmaker[Session], raw: bytes, encoding: str | None, limit: int, principal: Principal,
+    host_history: HostHistoryLimits,
 ) -> TelemetryAck:
     try:
         body = decode_body(raw, encoding, limit)
@@ -59,4 +62,4 @@ def _decode_and_store(
         raise RequestValidationError(exc.errors(include_url=False, include_context=False, include_input=False)) from exc
     check_node_scope(principal, batch.node_id)
     with session_scope(sessions) as session:
-        return ingest(session, batch)
+        return ingest(session, batch, host_history=host_history)

@@ -1,4 +1,7 @@
-"""Token management (admin only, by ROUTE_POLICY): issue, list, revoke."""
+"""Token management (admin only, by ROUTE_POLICY): issue, list, revoke; and ``GET /whoami`` (any valid token).
+
+The router has no prefix: ``/whoami`` sits beside ``/tokens`` (the dashboard's sign-in checks a pasted
+token with it)."""
 
 from __future__ import annotations
 
@@ -8,14 +11,14 @@ from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from controller import tokens as service
 from controller.api.deps import CurrentPrincipal, SessionDep
-from controller.schemas import ID_PATTERN, TokenCreate, TokenCreated, TokenPublic, TokensPublic
+from controller.schemas import ID_PATTERN, TokenCreate, TokenCreated, TokenPublic, TokensPublic, WhoAmI
 
-router = APIRouter(prefix="/tokens", tags=["tokens"])
+router = APIRouter(tags=["tokens"])
 
 TokenId = Annotated[str, Path(pattern=ID_PATTERN, description="A token's id (tok_...), not its secret.")]
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
+@router.post("/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
 def create_token(body: TokenCreate, session: SessionDep, principal: CurrentPrincipal) -> TokenCreated:
     """Issue a token. The answer holds its secret: the only time it is shown (only a hash is kept)."""
     try:
@@ -26,7 +29,7 @@ def create_token(body: TokenCreate, session: SessionDep, principal: CurrentPrinc
     return created
 
 
-@router.get("", response_model=TokensPublic)
+@router.get("/tokens", response_model=TokensPublic)
 def list_tokens(
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -38,10 +41,19 @@ def list_tokens(
     return TokensPublic(data=[service.to_public(t) for t in rows], count=count)
 
 
-@router.post("/{token_id}/revoke", response_model=TokenPublic)
+@router.post("/tokens/{token_id}/revoke", response_model=TokenPublic)
 def revoke_token(token_id: TokenId, session: SessionDep) -> TokenPublic:
     """Revoke a token at once (idempotent). The record stays, for the audit trail."""
     try:
         return service.to_public(service.revoke_token(session, token_id))
     except service.TokenNotFound:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"token {token_id!r} not found") from None
+
+
+@router.get("/whoami", response_model=WhoAmI)
+def whoami(principal: CurrentPrincipal) -> WhoAmI:
+    """The caller's token: id, role, name and scope (job or node), never its secret."""
+    if principal.role is None:  # cannot happen: ROUTE_POLICY lets only a valid token here
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, detail="a bearer token is required")
+    return WhoAmI(token_id=principal.token_id, role=principal.role, name=principal.name,
+                  job_id=principal.job_id, node_id=principal.node_id)

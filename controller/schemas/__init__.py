@@ -110,6 +110,7 @@ from controller.schemas.tokens import (
     TokenCreated,
     TokenPublic,
     TokensPublic,
+    WhoAmI,
 )
 from controller.schemas.views import (
     LOST_CAUSES,
@@ -217,6 +218,7 @@ __all__ = [
     "TokenPublic",
     "TokensPublic",
     "UnixTime",
+    "WhoAmI",
     "parse_entrypoint",
     "slugify",
 ]

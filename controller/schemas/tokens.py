@@ -94,3 +94,14 @@ class TokenCreated(TokenPublic):
 class TokensPublic(BaseModel):
     data: list[TokenPublic]
     count: int
+
+
+class WhoAmI(BaseModel):
+    """``GET /whoami``: who the caller's token says it is (never the secret). The dashboard's sign-in
+    checks a pasted token with it before keeping it server side."""
+
+    token_id: str | None = Field(None, description="The token's id (tok_...); none for an in-process token.")
+    role: Role
+    name: str = Field("", description="What the token is for, as given when it was issued.")
+    job_id: str | None = Field(None, description="The one job a ``job`` token may touch.")
+    node_id: str | None = Field(None, description="The one node an ``agent`` token acts for.")

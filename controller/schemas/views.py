@@ -66,11 +66,18 @@ class JobOverviewPublic(BaseModel):
     slowest_rank: list[int] = Field(..., description="The rank with the max step time at that step.")
     reporting: list[int] = Field(..., description="Ranks that reported the step.")
     wire_bytes: list[int] = Field(..., description="Bytes the step's collectives put on the wire, summed over ranks.")
+    final: list[bool] = Field(
+        default_factory=list,
+        description="False: the step is still forming (its figures come from the samples received so far); an "
+        "incremental client asks again from the first such step rather than from last_step + 1.")
     slowest_ranks: list[RankSummary] = Field(
         ..., description="The ``top_k`` ranks with the highest mean step time over the job's last ``rank_window`` "
         "steps (whatever ``since_step``), slowest first.")
-    markers: list[JobMarker] = Field(..., description="Restarts, evictions, incidents, checkpoints, faults.")
-    last_step: int | None = Field(..., description="Newest step in the window (pass it + 1 as since_step next time).")
+    markers: list[JobMarker] = Field(
+        ..., description="Restarts, evictions, incidents, checkpoints, faults: all of the job's (whatever "
+        "``since_step``: a marker may come late, e.g. a restart placed at a re-run step), oldest first.")
+    last_step: int | None = Field(..., description="Newest step in the window (pass it + 1 as since_step next time, "
+                                  "or the first step whose ``final`` is False if it is lower).")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -154,7 +154,8 @@ def test_mounted_under_dashboard_prefix(dashboard_site: Site) -> None:
             assert status == 200, (url, status)
 
         hrefs = {s for s in _strings(http.get_json("/dashboard/_dash-layout")) if s.startswith("/dashboard")}
-        assert {"/dashboard/", "/dashboard/nodes", "/dashboard/events"} <= hrefs
+        assert {"/dashboard/", "/dashboard/nodes", "/dashboard/compare", "/dashboard/events",
+                "/dashboard/signin"} <= hrefs
 
         # The API beside the mount still answers.
         assert client.get("/api/v1/jobs", headers=dashboard_site.headers()).json()["count"] == 2
@@ -187,47 +188,56 @@ def test_mounted_under_dashboard_prefix(dashboard_site: Site) -> None:
     assert any("controller answered 401" in s for s in _strings(resp["jobs-error"])), resp
 
 
+def _job_refresh(http: _Http, job_id: str, cursor: Any = None, n: int = 0) -> dict[str, Any]:
+    """One tick of the job page's header-and-overview callback."""
+    return call_callback(http, "/dashboard/", "job-detail-loss.figure", {
+        "job-detail-interval.n_intervals": n, "job-detail-id.data": job_id, "job-detail-cursor.data": cursor})
+
+
+def _job_tab(http: _Http, job_id: str, cursor: Any, tab: str, rank: int | None = None) -> dict[str, Any]:
+    """The job page's open-tab callback for ``tab``."""
+    return call_callback(http, "/dashboard/", "job-detail-heatmap.figure", {
+        "job-detail-cursor.data": cursor, "job-detail-tabs.value": tab, "job-detail-rank.value": rank,
+        "job-detail-id.data": job_id})
+
+
 def test_job_callback_found_and_not_found(dashboard_site: Site) -> None:
     abc = dashboard_site.demo.abc
     with httpx.Client(base_url=dashboard_site.url, timeout=30) as client:
         http = _Http(client)
-        found = call_callback(
-            http,
-            "/dashboard/",
-            "job-detail-loss.figure",
-            {"job-detail-interval.n_intervals": 0, "job-detail-id.data": abc},
-        )
+        found = _job_refresh(http, abc)
         loss = found["job-detail-loss"]["figure"]
-        assert [len(t["x"]) for t in loss["data"]] == [20, 20, 17]
-        assert [t["name"] for t in loss["data"]] == ["rank 0", "rank 1", "rank 2"]
-        heat = found["job-detail-heatmap"]["figure"]["data"][0]
-        assert heat["type"] == "heatmap" and len(heat["z"]) == 3
+        assert [t["name"] for t in loss["data"]][:2] == ["train loss", "validation loss"]
+        assert loss["data"][0]["x"] == list(range(20))  # job-wide: one point per step, whichever ranks
+        bands = found["job-detail-step-time"]["figure"]
+        assert [t["name"] for t in bands["data"]] == ["p50", "p90", "max (slowest rank)"]
+        assert "rank 2" in bands["layout"]["title"]["text"]  # the straggler, named
+        assert found["job-detail-slowest"]["rowData"][0]["rank"] == 2
         assert found["job-detail-interval"]["disabled"] is False  # RUNNING: keep polling
-        assert "RUNNING" in _strings(found["job-detail-header"]["children"])
-        assert "slow_rank at step 10000 on rank 2" in _strings(found["job-detail-events"]["children"])
+        assert "RUNNING" in _strings(found["job-detail-summary"]["children"])
+        cursor = found["job-detail-cursor"]["data"]
+        assert cursor["job_id"] == abc and cursor["last_step"] == 19
 
-        missing = call_callback(
-            http,
-            "/dashboard/",
-            "job-detail-loss.figure",
-            {"job-detail-interval.n_intervals": 0, "job-detail-id.data": "no-such-job"},
-        )
-        assert "job not found" in _strings(missing["job-detail-header"]["children"])
+        heat = _job_tab(http, abc, cursor, "ranks")["job-detail-heatmap"]["figure"]["data"][0]
+        assert heat["type"] == "heatmap" and heat["y"] == ["rank 0", "rank 1", "rank 2"]
+        events = _job_tab(http, abc, cursor, "events")["job-detail-events"]["rowData"]
+        assert "slow_rank at step 10000 on rank 2" in [e["message"] for e in events]
+
+        missing = _job_refresh(http, "no-such-job")
+        assert "job not found" in _strings(missing["job-detail-summary"]["children"])
         assert missing["job-detail-body"]["style"] == {"display": "none"}
         assert missing["job-detail-interval"]["disabled"] is True  # stop polling a missing job
         assert "job-detail-loss" not in missing  # figures left as they were
 
 
 def test_pending_job_without_data_shows_waiting_figures(dashboard_site: Site) -> None:
+    new = dashboard_site.demo.new
     with httpx.Client(base_url=dashboard_site.url, timeout=30) as client:
-        resp = call_callback(
-            _Http(client),
-            "/dashboard/",
-            "job-detail-loss.figure",
-            {"job-detail-interval.n_intervals": 0, "job-detail-id.data": dashboard_site.demo.new},
-        )
-    for graph in ("job-detail-loss", "job-detail-throughput", "job-detail-step-time", "job-detail-heatmap"):
-        fig = resp[graph]["figure"]
+        http = _Http(client)
+        resp = _job_refresh(http, new)
+        tab = _job_tab(http, new, resp["job-detail-cursor"]["data"], "ranks")
+    figs = [resp[g]["figure"] for g in ("job-detail-loss", "job-detail-throughput", "job-detail-step-time")]
+    for fig in [*figs, tab["job-detail-heatmap"]["figure"]]:
         assert fig["data"] == []
         assert [a["text"] for a in fig["layout"]["annotations"]] == ["waiting for data"]
 
@@ -243,7 +253,8 @@ def test_unreachable_controller_shows_error_instead_of_failing() -> None:
     resp = call_callback(http, "/", "jobs-table.children", {"jobs-interval.n_intervals": 3})
     assert "jobs-table" not in resp  # the last table stays
     assert any("controller unreachable" in s for s in _strings(resp["jobs-error"]))
-    resp = call_callback(http, "/", "nodes-table.children", {"nodes-interval.n_intervals": 0})
+    resp = call_callback(http, "/", "nodes-grid.rowData", {"nodes-interval.n_intervals": 0})
+    assert "nodes-grid" not in resp  # the last rows stay
     assert any("controller unreachable" in s for s in _strings(resp["nodes-error"]))
     resp = call_callback(
         http, "/", "job-detail-loss.figure", {"job-detail-interval.n_intervals": 0, "job-detail-id.data": "j"}
@@ -259,7 +270,7 @@ def test_two_apps_in_one_process_each_keep_callbacks_and_config(dashboard_site: 
     s_http = _Http(standalone.server.test_client())
     resp = call_callback(s_http, "/", "jobs-table.children", {"jobs-interval.n_intervals": 0})
     assert "jobs-error" in resp
-    assert {"/", "/nodes", "/events"} <= set(_strings(s_http.get_json("/_dash-layout")))
+    assert {"/", "/nodes", "/compare", "/events", "/signin"} <= set(_strings(s_http.get_json("/_dash-layout")))
 
     with httpx.Client(base_url=dashboard_site.url, timeout=30) as client:
         resp = call_callback(

@@ -9,10 +9,21 @@ import math
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import dash_ag_grid as dag
 from dash import dcc, html
 
-from controller.schemas import EventsPublic, JobsPublic, JobStatus, NodesPublic, NodeState, RankProcess
-from dashboard import tables
+from controller.schemas import (
+    EventsPublic,
+    IncidentKind,
+    IncidentStatus,
+    JobsPublic,
+    JobStatus,
+    NodesPublic,
+    NodeState,
+    RankProcess,
+)
+from dashboard import figures, job_views, tables
+from tests.dashboard import job_samples as js
 from tests.dashboard.samples import make_event, make_job, make_node
 
 
@@ -130,3 +141,129 @@ def test_formatters() -> None:
     assert tables.fmt_ranks([]) == "–"
     assert tables.fmt_host({}) == "–"
     assert tables.fmt_host({"gpu": "unavailable", "cpu": 0.123456}) == "cpu=0.123, gpu=unavailable"
+
+
+# ==================================================================================================
+# The job page's diagnosis components
+# ==================================================================================================
+
+
+def _by_id(component: Any, component_id: str) -> Any:
+    (found,) = [c for c in _walk(component) if getattr(c, "id", None) == component_id]
+    return found
+
+
+def _text(component: Any) -> str:
+    """The text of ``component`` in document order."""
+    if isinstance(component, str | int | float):
+        return str(component)
+    if isinstance(component, list | tuple):
+        return "".join(_text(c) for c in component)
+    children = getattr(component, "children", None)
+    return "" if children is None else _text(children)
+
+
+def test_job_header_progress_eta_restarts_and_the_incident_under_way() -> None:
+    job = make_job("j1", "big run", JobStatus.RUNNING, steps=200, last_step=49)
+    live = js.incident(7, IncidentKind.HANG, status=IncidentStatus.ACTING, rank=3, node_id="node-4")
+    header = html.Div(tables.job_header(job, tables.Vitals(eta_s=450.0, restarts=2, incident=live, ranks=1024)))
+    assert _by_id(header, "job-detail-status").children == "RUNNING"
+    progress = _by_id(header, "job-detail-progress")
+    assert (progress.value, progress.max) == ("50", "200")
+    assert _by_id(header, "job-detail-step").children == "49 / 200"
+    assert _text(_by_id(header, "job-detail-eta")) == "8 min"
+    assert _text(_by_id(header, "job-detail-restarts")) == "2"
+    assert _text(_by_id(header, "job-detail-ranks")) == "1024"
+    assert _text(_by_id(header, "job-detail-incident")) == "hang (ACTING): rank 3, node node-4"
+    quiet = html.Div(tables.job_header(make_job("j2", status=JobStatus.SUCCEEDED, last_step=99)))
+    assert _text(_by_id(quiet, "job-detail-eta")) == "–" and _text(_by_id(quiet, "job-detail-incident")) == "–"
+
+
+def test_slowest_rank_rows_flag_the_straggler() -> None:
+    ov = js.overview(steps=range(5), slow=5)
+    rows = tables.slowest_rank_rows(ov.slowest_ranks, figures.STRAGGLER_RATIO)
+    assert [(r["rank"], r["vs_median"], r["flag"]) for r in rows] == [(5, 5.0, "straggler"), (0, 1.0, ""), (1, 1.0, "")]
+    assert rows[0]["node_id"] == "node-2"
+
+
+def test_grids_are_sortable_filterable_ag_grids() -> None:
+    g = tables.grid("x-grid", tables.SLOWEST_COLUMNS, row_id="rank", highlight="params.data.flag")
+    assert isinstance(g, dag.AgGrid)
+    assert g.defaultColDef["sortable"] and g.defaultColDef["filter"]
+    assert g.getRowId == "params.data.rank"
+    assert g.getRowStyle["styleConditions"][0]["condition"] == "params.data.flag"
+    assert g.dashGridOptions["domLayout"] == "autoHeight"
+
+
+def test_collective_rows() -> None:
+    stats = figures.collective_stats(js.collectives("job", js.collective("all_reduce", "grads", range(3),
+                                                                          transfer=0.002)))
+    (row,) = tables.collective_rows(stats)
+    assert row["kind"] == "all_reduce/grads" and row["bits_per_param"] == 32.0
+    assert row["bandwidth"] == 2.0 and row["wire_per_rank"] == "4 MB" and row["slowest_rank"] == 3
+
+
+def test_checkpoint_rows_say_why_invalid_and_which_restart_restored_each() -> None:
+    c20, c40 = js.checkpoint(1, 20), js.checkpoint(2, 40, valid=False)
+    restores = [(js.marker("restart", 45), c20), (js.marker("restart", 47), c20)]
+    rows = tables.checkpoint_rows([c20, c40], {"/ckpt/step-40": "sha256 mismatch"}, restores)
+    assert [(r["step"], r["valid"], r["why"], r["restored_by"]) for r in rows] == [
+        (40, "NO", "sha256 mismatch", ""), (20, "yes", "", "restart 1, restart 2")]
+    assert rows[1]["size"] == "2.5 MB"
+
+
+def test_event_rows() -> None:
+    rows = tables.event_rows(EventsPublic(data=[make_event(3, "fault_fired", "hang_rank: rank 1", "j", "node-2")],
+                                          count=1))
+    assert rows == [{"id": 3, "time": "2026-01-02 03:04:08", "kind": "fault_fired", "node": "node-2",
+                     "message": "hang_rank: rank 1"}]
+
+
+def test_stack_comparison_shows_the_odd_rank_against_the_majority() -> None:
+    view = tables.stack_comparison(js.stacks(ranks=8, odd=1))
+    groups = [c for c in _walk(view) if getattr(c, "className", None) == "vigil-stack-group"]
+    assert [g.to_plotly_json()["props"]["data-ranks"] for g in groups] == ["0,2,3,4,5,6,7", "1"]
+    assert "odd rank out: 1" in _text(view)
+    assert _by_id(view, "job-detail-stack-majority").children == js.WAITING_STACK
+    odd = _by_id(view, "job-detail-stack-odd")
+    assert odd.to_plotly_json()["props"]["data-rank"] == "1"
+    diff = [c.children.strip() for c in _walk(odd) if getattr(c, "className", None) == "vigil-stack-diff"]
+    assert "forward (trainer/model.py:120)" in diff
+    assert not any("all_reduce" in line for line in diff)
+
+
+def test_incident_card_timeline_action_evidence_and_stacks() -> None:
+    inc = js.incident(3, evidence={"idle_s": 31.5, "odd_ranks": [1], "stack_groups": [{"ranks": [0], "signature": "s"}]})
+    fault = js.fault(1, fired_s=80)
+    card = tables.incident_card(inc, job_views.incident_phases(inc, fault), fault, js.stacks())
+    text = _text(card)
+    assert card.id == "job-detail-incident-3"
+    assert "fault 03:05:25 -> detected +20 s -> acted +2.0 s -> recovered +28 s" in text
+    assert "killed rank 1, evicted node-2" in text and "#1 hang_rank rank 1 at step 40" in text
+    assert "idle_s" in text and "31.5" in text and "stack_groups" not in text  # shown as stacks instead
+    assert _by_id(card, "job-detail-stack-odd").to_plotly_json()["props"]["data-rank"] == "1"
+
+
+def test_goodput_summary_shows_the_ettr() -> None:
+    view = tables.goodput_summary(js.goodput())
+    assert _by_id(view, "job-detail-ettr").children == "0.750"
+    assert "productive 2 min of 3 min wall; 1 restart, 9 steps re-run" in _text(view)
+    assert "restart: 20 s (10.0%)" in _text(_by_id(view, "job-detail-lost"))
+    assert "no goodput yet" in _text(tables.goodput_summary(None))
+
+
+def test_marker_detail_and_rank_detail() -> None:
+    m = js.marker("incident", 28, "hang detected", ref="3")
+    detail = tables.marker_detail([m.kind, m.step, m.label, m.ref, m.ts], js.incident(3, evidence={"idle_s": 20.0}))
+    assert "incident at step 28: " in _text(detail) and "idle_s" in _text(detail)
+    assert "click a marker" in _text(tables.marker_detail(None))
+    ov = js.overview(steps=range(3))
+    assert "rank 5 on node-2: mean step 0.5 s, 5.00x the median rank" == _text(tables.rank_detail(5, ov.slowest_ranks[0]))
+
+
+def test_more_formatters() -> None:
+    assert [tables.fmt_duration(s) for s in (None, 1.25, 45.0, 600.0, 3 * 3600 + 300.0)] == [
+        "–", "1.2 s", "45 s", "10 min", "3 h 05 min"]
+    assert [tables.fmt_bytes(n) for n in (None, 512, 1500, 2_250_000, 3.1e9)] == ["–", "512 B", "1.5 kB", "2.25 MB", "3.1 GB"]
+    assert tables.fmt_rank_list([7, 0, 1, 2, 3, 5, 8, 9]) == "0-3, 5, 7-9"
+    assert tables.fmt_rank_list(list(range(0, 100, 2)), limit=3) == "0, 2, 4, ... (50 ranks)"

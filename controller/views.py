@@ -1,0 +1,833 @@
+"""Derived read views (schemas: :mod:`controller.schemas.views`): job overview, binned heatmap, goodput,
+node host history. Pure reads; nothing here writes.
+
+**Where the numbers come from.** A settled step is read from its aggregates
+(:mod:`controller.aggregation`: one ``job_step_stats`` row per step holds the job-wide figures, one
+``rank_step_stats`` row per rank the rank's), so the overview of a 10,000-rank job reads one row per
+step, not 10,000. The newest :data:`MAX_FORMING_STEPS` steps still forming (marked dirty) are
+computed from their raw samples with the aggregator's own definitions (``final`` False); an older
+forming step shows its earlier aggregate if it has one, and otherwise cuts the overview short just
+before it, so that a client polling with ``since_step = last_step + 1`` never skips it. Ranks are
+folded in SQL wherever the view is a sum, a max or a count (slowest ranks, heatmap cells); Python
+sees one row per rank or per cell. A re-run step (restart from a checkpoint) shows its latest
+attempt: the latest sample of each rank wins, as in the aggregates.
+
+**Overview.** Per step: mean loss over the finite ones, mean validation loss, summed throughput,
+nearest-rank p50 / p90 / max of the step time over ranks, the slowest rank, the ranks that reported,
+wire bytes; decimated to ``max_points`` with :func:`controller.series.decimate` (first, last, and the
+slowest step of each run: a spike of ``step_time_max_s`` survives). ``slowest_ranks``: the ``top_k``
+ranks by mean step time over the job's last ``rank_window`` steps (by step number), ``vs_median``
+against the median (nearest-rank) of the ranks' means; ``ranks`` counts the ranks seen in that
+window. ``markers`` (all of the job's, the newest :data:`MAX_MARKERS`):
+
+* ``incident``: every incident of the job, at ``step_at_detect``;
+* ``checkpoint``: every checkpoint the job reported, at its step (``(invalid)`` when found bad);
+* ``fault``: every ``fault_fired`` event, at the step it records;
+* ``restart``: every ``incident_recovered`` event (the monitor counts a restart there), placed at the
+  incident's ``recovered_at`` (the first step after the restart); and the first step of every run of
+  re-run steps that no such event covers (a restart Ray made on its own);
+* ``eviction``: every ``node_evicted`` event, while the job ran, of a node that held its ranks (an
+  incident of the job names it, its heartbeat lists the job's ranks, or its ranks reported one of
+  the 20 steps before).
+
+An event without a step is placed at the job's step at that time: the step running then (its kept
+attempt ``[start_ts, ts]`` holds it), else the step that ended last before it.
+
+**Heatmap.** Rows: ``ceil(n / max_ranks)`` consecutive ranks each (``n`` = highest rank - lowest + 1);
+columns: ``ceil(m / max_steps)`` consecutive steps each, over the ``m`` steps from the first with data at
+or after ``since_step`` to the last; a cell is the max step time in its bin (to the microsecond), None
+where no rank of the bin reported.
+
+**Goodput** (ETTR: effective training time ratio). ``wall_s`` runs from the job's ``started_at`` to its
+``finished_at`` (or now); every moment of it is counted exactly once, so ``productive_s +
+sum(lost_s) == wall_s``:
+
+1. Each step has a *kept* attempt (its latest; ``[start_ts, ts]`` over its ranks) and maybe earlier
+   ones (``reruns``). A kept attempt that a later attempt of a lower step ended after (by more than
+   its own duration) has been rolled back, e.g. while a restarted job re-runs steps: it counts as an
+   earlier attempt. ``productive_s`` is the union of the kept attempts; what the earlier attempts
+   add to it is ``lost_steps``.
+2. Every stretch in which no attempt ran is one gap, between the attempt that ended at its start
+   (``prev``) and the one that starts at its end (``next``). Its causes, in order:
+
+   * ``checkpoint``: when a checkpoint of ``prev``'s step exists: the whole gap, or, when the gap
+     also holds a restart or a hang, up to the checkpoint's completion;
+   * ``hang``: when a ``hang`` incident was detected in the gap: from the end of ``prev`` (or of the
+     checkpoint) to the detection;
+   * ``restart``: the rest, when the gap holds a restart: ``next`` runs a step at or below ``prev``'s
+     (the step went back), or it is the gap just before an incident's ``recovered_at`` (the monitor
+     saw the job restart there), or Vigil acted on an incident inside it (``acted_at``);
+   * ``startup``: the rest of the gap before the first attempt (with a restart there: up to the first
+     action);
+   * ``lost_steps``: the rest of a gap between two earlier attempts (inside a thrown-away run);
+   * ``other``: the rest.
+
+``restarts`` is the larger of the job's restart counter (restarts the monitor followed) and the gaps
+found to hold one; ``steps_rerun`` counts the steps with earlier attempts. ``ettr`` = productive /
+wall, None before the job started.
+
+**Node history** reads ``node_host_samples`` (:mod:`controller.host_history`), oldest first, and
+decimates to ``max_points``: the first and last samples as they are, and each run in between as one
+point at the run's last time holding each measure's max over the run (a spike in any measure
+survives).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, cast, distinct, func, select
+from sqlalchemy.orm import Session
+
+from controller.aggregation import attempt_spans, p50, step_figures
+from controller.host_history import HOST_FIELDS
+from controller.models import (
+    Checkpoint,
+    CollectiveMetric,
+    Event,
+    Incident,
+    Job,
+    JobStepStat,
+    Node,
+    NodeHostSample,
+    RankStepStat,
+    StepMetric,
+    TelemetryDirtyStep,
+)
+from controller.schemas import (
+    LOST_CAUSES,
+    GoodputPublic,
+    JobMarker,
+    JobOverviewPublic,
+    NodeHistoryPublic,
+    RankSummary,
+    StepHeatmapPublic,
+)
+from controller.series import decimate
+
+MAX_FORMING_STEPS = 64
+"""Forming (dirty) steps computed from their raw samples per request, the newest ones."""
+MAX_MARKERS = 2000
+"""Markers returned per overview, the newest."""
+EVICTION_LOOKBACK_STEPS = 20
+"""An evicted node counts as the job's when its ranks reported one of this many steps before the eviction."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Forming steps: which, and read from their raw rows
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Steps:
+    """The job's steps as one request sees them: which are forming and how each forming one is read."""
+
+    dirty: set[int]
+    forming: list[int]
+    """The newest :data:`MAX_FORMING_STEPS` dirty steps (ascending): read from raw rows."""
+    dups: set[int]
+    """Forming steps with several samples of a rank (a re-run): read row by row (latest wins)."""
+
+    @property
+    def clean(self) -> list[int]:
+        return [s for s in self.forming if s not in self.dups]
+
+
+def _steps(session: Session, job_id: str, since_step: int | None = None, *, dups: bool = True) -> _Steps:
+    """Read *before* the aggregates (see :func:`controller.series._dirty_steps`: a step is always
+    either dirty or aggregated, so none falls between the two reads). ``dups``: find the forming steps
+    with re-run samples (else ``dups`` is left empty: the caller reads the forming rows itself)."""
+    q = select(TelemetryDirtyStep.step).where(TelemetryDirtyStep.job_id == job_id)
+    if since_step is not None:
+        q = q.where(TelemetryDirtyStep.step >= since_step)
+    dirty = sorted(session.scalars(q))
+    forming = dirty[-MAX_FORMING_STEPS:]
+    found: set[int] = set()
+    if forming and dups:
+        S = StepMetric
+        found = set(session.scalars(
+            select(S.step).where(S.job_id == job_id, S.step.in_(forming)).group_by(S.step)
+            .having(func.count() > func.count(distinct(S.rank)))))
+    return _Steps(set(dirty), forming, found)
+
+
+def _latest_rows(session: Session, job_id: str, steps: Sequence[int],
+                 *cols: Any) -> tuple[dict[int, dict[int, Any]], set[int]]:
+    """Raw step rows of ``steps`` (columns ``step, rank, *cols``), the latest per (step, rank); and the
+    steps in which a rank had several (a re-run)."""
+    out: dict[int, dict[int, Any]] = defaultdict(dict)
+    dups: set[int] = set()
+    if not steps:
+        return out, dups
+    S = StepMetric
+    # Core, not ORM, execution (no per-row ORM processing); (step, id) is the order of the (job_id, step) index.
+    for r in session.connection().execute(select(S.step, S.rank, *cols).where(
+            S.job_id == job_id, S.step.in_(list(steps))).order_by(S.step, S.id)).all():
+        per = out[r[0]]
+        if r[1] in per:
+            dups.add(r[0])
+        per[r[1]] = r
+    return out, dups
+
+
+def _dup_attempts(session: Session, job_id: str,
+                  st: _Steps) -> dict[int, tuple[float, float, list[list[float]] | None]]:
+    """(kept attempt's start, its end, earlier attempts) of the forming steps with re-run samples."""
+    if not st.dups:
+        return {}
+    S = StepMetric
+    per: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
+    for step, rank, ts, t in session.execute(select(S.step, S.rank, S.ts, S.step_time_s).where(
+            S.job_id == job_id, S.step.in_(sorted(st.dups))).order_by(S.id)).all():
+        per[step].append((rank, ts, t))
+    out = {}
+    for step, samples in per.items():
+        start, reruns = attempt_spans(samples)
+        end = max({rank: ts for rank, ts, _ in samples}.values())  # the latest sample of each rank
+        if start is not None:
+            out[step] = (start, end, reruns)
+    return out
+
+
+def _step_at(session: Session, job_id: str, t: float, forming: dict[int, tuple[float, float]]) -> int | None:
+    """The job's step at time ``t``: the one running then (the first to end at or after ``t`` among
+    those started by then), else the one that ended last before it (None: none had). ``forming``:
+    step -> (start, end) of the forming steps."""
+    J = JobStepStat
+    spans = dict(forming)
+    nxt = session.execute(select(J.step, J.start_ts, J.ts, J.step_time_max_s).where(J.job_id == job_id, J.ts >= t)
+                          .order_by(J.ts).limit(1)).first()
+    if nxt is not None:
+        spans.setdefault(nxt.step, (nxt.start_ts if nxt.start_ts is not None else nxt.ts - (nxt.step_time_max_s or 0.0),
+                                    nxt.ts))
+    prev = session.execute(select(J.step, J.ts).where(J.job_id == job_id, J.ts <= t)
+                           .order_by(J.ts.desc()).limit(1)).first()
+    if prev is not None:
+        spans.setdefault(prev.step, (prev.ts, prev.ts))
+    running = [(end, step) for step, (start, end) in spans.items() if start <= t <= end]
+    if running:
+        return min(running)[1]
+    ended = [(end, step) for step, (_, end) in spans.items() if end <= t]
+    return max(ended)[1] if ended else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Overview
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Point:
+    ts: float
+    loss: float | None
+    val_loss: float | None
+    tokens_per_s: float
+    p50: float
+    p90: float
+    max: float
+    slowest: int
+    reporting: int
+    wire_bytes: int
+    final: bool
+
+
+def _point(ts: float, fig: dict[str, Any], wire: int, final: bool) -> _Point:
+    return _Point(ts=ts, loss=fig["loss_mean"], val_loss=fig["val_loss_mean"], tokens_per_s=fig["tokens_per_s"] or 0.0,
+                  p50=fig["step_time_p50_s"], p90=fig["step_time_p90_s"], max=fig["step_time_max_s"],
+                  slowest=fig["slowest_rank"], reporting=fig["reporting"], wire_bytes=int(wire or 0), final=final)
+
+
+def _legacy_figures(session: Session, job_id: str, steps: list[int]) -> dict[int, dict[str, Any]]:
+    """Figures of aggregates written before migration 0006 (``reporting`` NULL), from their rank rows."""
+    R = RankStepStat
+    per: dict[int, dict[int, Any]] = defaultdict(dict)
+    for i in range(0, len(steps), 500):
+        for r in session.execute(select(R.step, R.rank, R.loss, R.tokens_per_s, R.step_time_s).where(
+                R.job_id == job_id, R.step.in_(steps[i:i + 500]), R.step_time_s.is_not(None))).all():
+            per[r.step][r.rank] = r
+    return {step: step_figures({k: r.step_time_s for k, r in rows.items()}, (r.loss for r in rows.values()), (),
+                               (r.tokens_per_s for r in rows.values()))
+            for step, rows in per.items()}
+
+
+def _forming_wire_bytes(session: Session, job_id: str, steps: Sequence[int]) -> dict[int, int]:
+    """Wire bytes of forming steps, the latest sample of each (rank, seq) counted once."""
+    if not steps:
+        return {}
+    C = CollectiveMetric
+    key = cast(C.rank, BigInteger) * 2_147_483_648 + C.seq  # (rank, seq) as one number: portable COUNT(DISTINCT)
+    out: dict[int, int] = {}
+    dup_steps = []
+    for step, total, n, n_distinct in session.execute(
+        select(C.step, func.sum(C.wire_bytes), func.count(), func.count(distinct(key)))
+        .where(C.job_id == job_id, C.step.in_(list(steps))).group_by(C.step)
+    ).all():
+        if n == n_distinct:
+            out[step] = int(total or 0)
+        else:
+            dup_steps.append(step)
+    if dup_steps:
+        latest: dict[tuple[int, int, int], int] = {}
+        for step, rank, seq, wire in session.execute(
+            select(C.step, C.rank, C.seq, C.wire_bytes).where(C.job_id == job_id, C.step.in_(dup_steps)).order_by(C.id)
+        ).all():
+            latest[(step, rank, seq)] = wire
+        for (step, _, _), wire in latest.items():
+            out[step] = out.get(step, 0) + int(wire)
+    return out
+
+
+def job_overview(session: Session, job: Job, *, since_step: int | None = None, top_k: int = 10,
+                 rank_window: int = 50, max_points: int = 2000) -> JobOverviewPublic:
+    """The job-wide figures per step from ``since_step``, the window's slowest ranks and the markers
+    (module docstring)."""
+    job_id = job.id
+    st = _steps(session, job_id, dups=False)  # the forming rows read below tell the re-run steps
+    J = JobStepStat
+    q = select(J.step, J.ts, J.loss_mean, J.val_loss_mean, J.tokens_per_s, J.step_time_p50_s, J.step_time_p90_s,
+               J.step_time_max_s, J.slowest_rank, J.reporting, J.wire_bytes).where(
+        J.job_id == job_id, J.step_time_max_s.is_not(None))
+    if since_step is not None:
+        q = q.where(J.step >= since_step)
+    points: dict[int, _Point] = {}
+    legacy: dict[int, Any] = {}
+    for r in session.connection().execute(q).all():
+        if r.reporting is None:
+            legacy[r.step] = r
+            continue
+        points[r.step] = _Point(ts=r.ts, loss=r.loss_mean, val_loss=r.val_loss_mean, tokens_per_s=r.tokens_per_s or 0.0,
+                                p50=r.step_time_p50_s, p90=r.step_time_p90_s, max=r.step_time_max_s,
+                                slowest=r.slowest_rank, reporting=r.reporting, wire_bytes=int(r.wire_bytes),
+                                final=r.step not in st.dirty)
+    if legacy:
+        for step, fig in _legacy_figures(session, job_id, sorted(legacy)).items():
+            points[step] = _point(legacy[step].ts, fig, legacy[step].wire_bytes, step not in st.dirty)
+
+    # Forming steps, from their raw rows (read once: the slowest ranks and the markers use them too).
+    S = StepMetric
+    raw, st.dups = _latest_rows(session, job_id, st.forming, S.ts, S.loss, S.val_loss, S.tokens_per_s,
+                                S.step_time_s, S.comm_wait_s, S.node_id)
+    wanted = [s for s in st.forming if since_step is None or s >= since_step]
+    wire = _forming_wire_bytes(session, job_id, wanted)
+    forming_spans: dict[int, tuple[float, float]] = {}  # for the markers: when each forming step ran
+    for step, rows in raw.items():
+        # Columns at once (a transpose in C), in the order read above.
+        _, ranks_, ts, loss, val_loss, tokens, times, *_ = zip(*rows.values(), strict=True)
+        forming_spans[step] = (min(map(operator.sub, ts, times)), max(ts))
+        if since_step is None or step >= since_step:
+            fig = step_figures(dict(zip(ranks_, times, strict=True)), loss, val_loss, tokens)
+            points[step] = _point(forming_spans[step][1], fig, wire.get(step, 0), False)
+    # An older forming step without any aggregate yet: stop just before it (module docstring).
+    older = [s for s in st.dirty if s not in points and s not in st.forming and (since_step is None or s >= since_step)]
+    if older:
+        have = set(session.scalars(select(J.step).where(J.job_id == job_id, J.step.in_(older))))
+        missing = [s for s in older if s not in have]
+        if missing:
+            points = {s: p for s, p in points.items() if s < min(missing)}
+
+    ordered = sorted(points.items())
+    kept = decimate(ordered, max_points, key=lambda p: p[1].max)
+    last_job_step = max([s for s, _ in ordered] + [_last_step(session, job_id, st)])
+    ranks, slowest = _slowest_ranks(session, job_id, st, raw, last_job_step, rank_window, top_k)
+    return JobOverviewPublic(
+        job_id=job_id, ranks=ranks, step=[s for s, _ in kept], ts=[p.ts for _, p in kept],
+        loss=[p.loss for _, p in kept], val_loss=[p.val_loss for _, p in kept],
+        tokens_per_s=[p.tokens_per_s for _, p in kept], step_time_p50_s=[p.p50 for _, p in kept],
+        step_time_p90_s=[p.p90 for _, p in kept], step_time_max_s=[p.max for _, p in kept],
+        slowest_rank=[p.slowest for _, p in kept], reporting=[p.reporting for _, p in kept],
+        wire_bytes=[p.wire_bytes for _, p in kept], final=[p.final for _, p in kept],
+        slowest_ranks=slowest, markers=job_markers(session, job, st, forming_spans),
+        last_step=ordered[-1][0] if ordered else None,
+    )
+
+
+def _last_step(session: Session, job_id: str, st: _Steps) -> int:
+    """The job's newest step (-1: none)."""
+    agg = session.scalar(select(func.max(JobStepStat.step)).where(
+        JobStepStat.job_id == job_id, JobStepStat.step_time_max_s.is_not(None)))
+    return max([agg if agg is not None else -1, *st.forming])
+
+
+@dataclass
+class _RankAcc:
+    steps: int = 0
+    total: float = 0.0
+    max: float = 0.0
+    wait: float = 0.0
+    waits: int = 0
+
+    def add(self, steps: int, total: float, mx: float, wait: float | None, waits: int) -> None:
+        self.steps += steps
+        self.total += total
+        self.max = max(self.max, mx)
+        self.wait += wait or 0.0
+        self.waits += waits
+
+
+def _slowest_ranks(session: Session, job_id: str, st: _Steps, forming: dict[int, dict[int, Any]], last: int | None,
+                   window: int, top_k: int) -> tuple[int, list[RankSummary]]:
+    """(ranks seen in the job's last ``window`` steps, the ``top_k`` slowest of them by mean step time).
+
+    ``forming``: the latest raw row (``step_time_s``, ``comm_wait_s``, ``node_id``) per rank of the forming steps."""
+    if last is None or last < 0:
+        return 0, []
+    lo = last - window + 1
+    acc: dict[int, _RankAcc] = defaultdict(_RankAcc)
+    R = RankStepStat
+    for rank, n, total, mx, wait, waits in session.connection().execute(
+        select(R.rank, func.count(R.step_time_s), func.sum(R.step_time_s), func.max(R.step_time_s),
+               func.sum(R.comm_wait_s), func.count(R.comm_wait_s))
+        .where(R.job_id == job_id, R.step >= lo, R.step <= last, R.step_time_s.is_not(None),
+               R.step.not_in(st.forming)).group_by(R.rank)
+    ).all():
+        acc[rank].add(int(n), float(total), float(mx), wait, int(waits))
+    nodes: dict[int, tuple[int, str]] = {}
+    for step in sorted(s for s in forming if lo <= s <= last):  # ascending: the newest step's node wins
+        for rank, r in forming[step].items():  # inline: this loop runs once per rank and forming step
+            a = acc[rank]
+            t, w = r.step_time_s, r.comm_wait_s
+            a.steps += 1
+            a.total += t
+            a.max = max(a.max, t)
+            if w is not None:
+                a.wait += w
+                a.waits += 1
+            nodes[rank] = (step, r.node_id)
+    means = {rank: a.total / a.steps for rank, a in acc.items() if a.steps}
+    if not means:
+        return 0, []
+    median = p50(list(means.values()))
+    top = sorted(means, key=lambda r: (-means[r], r))[:top_k]
+    node_of = _rank_nodes(session, job_id, [r for r in top if r not in nodes], lo, last, st)
+    node_of.update({r: nodes[r][1] for r in top if r in nodes})
+    return len(means), [
+        RankSummary(rank=r, node_id=node_of.get(r, ""), steps=acc[r].steps, step_time_mean_s=means[r],
+                    step_time_max_s=acc[r].max, vs_median=means[r] / median if median > 0 else 1.0,
+                    comm_wait_mean_s=acc[r].wait / acc[r].waits if acc[r].waits else None)
+        for r in top
+    ]
+
+
+def _rank_nodes(session: Session, job_id: str, ranks: list[int], lo: int, last: int, st: _Steps) -> dict[int, str]:
+    """The node of each rank's newest settled step in ``lo..last``."""
+    best: dict[int, tuple[int, str]] = {}
+    if not ranks:
+        return {}
+    R = RankStepStat
+    for rank, step, node in session.connection().execute(
+        select(R.rank, R.step, R.node_id).where(R.job_id == job_id, R.rank.in_(ranks), R.step >= lo, R.step <= last,
+                                                R.step.not_in(st.forming))
+    ).all():
+        if rank not in best or step > best[rank][0]:
+            best[rank] = (step, node)
+    return {r: node for r, (_, node) in best.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Markers
+# --------------------------------------------------------------------------------------------------
+
+
+def _ts(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+def job_markers(session: Session, job: Job, st: _Steps | None = None,
+                forming: dict[int, tuple[float, float]] | None = None) -> list[JobMarker]:
+    """The job's markers, oldest first (module docstring); ``forming``: step -> (start, end) of forming steps."""
+    job_id = job.id
+    st = st or _steps(session, job_id)
+    spans = forming or {}
+    out: list[JobMarker] = []
+
+    def step_at(t: float) -> int | None:
+        return _step_at(session, job_id, t, spans)
+
+    incidents = session.scalars(select(Incident).where(Incident.job_id == job_id)).all()
+    by_id = {inc.id: inc for inc in incidents}
+    for inc in incidents:
+        where = ", ".join(x for x in (f"node {inc.node_id}" if inc.node_id else "",
+                                      f"rank {inc.rank}" if inc.rank is not None else "") if x)
+        label = f"{inc.kind} detected" + (f" ({where})" if where else "") + (f": {inc.action}" if inc.action else "")
+        t = inc.detected_at.timestamp()
+        out.append(JobMarker(kind="incident", step=inc.step_at_detect if inc.step_at_detect is not None else step_at(t),
+                             ts=t, label=label, ref=str(inc.id)))
+    for ck in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all():
+        out.append(JobMarker(kind="checkpoint", step=ck.step, ts=ck.created_at.timestamp(),
+                             label=f"checkpoint at step {ck.step}" + ("" if ck.valid else " (invalid)"), ref=str(ck.id)))
+    restart_steps: set[int] = set()
+    for ev in session.scalars(select(Event).where(
+            Event.job_id == job_id, Event.kind.in_(["fault_fired", "incident_recovered"]))).all():
+        data = ev.data or {}
+        if ev.kind == "fault_fired":
+            step = data.get("step")
+            t = ev.ts.timestamp()
+            out.append(JobMarker(kind="fault", step=step if isinstance(step, int) else step_at(t), ts=t,
+                                 label=ev.message, ref=str(data["fault_id"]) if "fault_id" in data else None))
+        else:
+            inc = by_id.get(data.get("incident_id")) if isinstance(data.get("incident_id"), int) else None
+            # The incident's recovered_at: when the ranks ran their first step after the restart.
+            t = (inc.recovered_at if inc is not None and inc.recovered_at is not None else ev.ts).timestamp()
+            step = step_at(t)
+            if step is not None:
+                restart_steps.add(step)
+            out.append(JobMarker(kind="restart", step=step, ts=t, label=ev.message,
+                                 ref=str(inc.id) if inc is not None else None))
+    out += _rerun_restarts(session, job_id, st, restart_steps)
+    out += _evictions(session, job, {inc.node_id for inc in incidents if inc.node_id}, step_at)
+    out.sort(key=lambda m: (m.ts, m.kind))
+    return out[-MAX_MARKERS:]
+
+
+def _rerun_restarts(session: Session, job_id: str, st: _Steps, covered: set[int]) -> list[JobMarker]:
+    """A restart marker at the first step of each run of re-run steps that no recorded restart covers."""
+    J = JobStepStat
+    starts: dict[int, float] = {}
+    for step, start, ts in session.execute(
+        select(J.step, J.start_ts, J.ts).where(J.job_id == job_id, J.reruns.is_not(None), J.step.not_in(st.forming))
+    ).all():
+        starts[step] = start if start is not None else ts
+    for step, (start, _, reruns) in _dup_attempts(session, job_id, st).items():
+        if reruns:
+            starts[step] = start
+    return [JobMarker(kind="restart", step=step, ts=t, label=f"steps from {step} on re-run after a restart")
+            for step, t in sorted(starts.items())
+            if step - 1 not in starts and step not in covered]
+
+
+def _evictions(session: Session, job: Job, incident_nodes: set[str], step_at: Any) -> list[JobMarker]:
+    since = job.started_at or job.created_at
+    q = select(Event).where(Event.kind == "node_evicted", Event.ts >= since)
+    if job.finished_at is not None:
+        q = q.where(Event.ts <= job.finished_at)
+    out = []
+    for ev in session.scalars(q).all():
+        t = ev.ts.timestamp()
+        step = step_at(t)
+        if ev.node_id is None or not _held_ranks(session, job.id, ev.node_id, step, incident_nodes):
+            continue
+        out.append(JobMarker(kind="eviction", step=step, ts=t, label=ev.message, ref=ev.node_id))
+    return out
+
+
+def _held_ranks(session: Session, job_id: str, node_id: str, step: int | None, incident_nodes: set[str]) -> bool:
+    """Whether ``node_id`` held ranks of the job around ``step`` (module docstring)."""
+    if node_id in incident_nodes:
+        return True
+    node = session.get(Node, node_id)
+    if node is not None and any(isinstance(r, dict) and r.get("job_id") == job_id for r in node.ranks or []):
+        return True
+    if step is None:
+        return False
+    R = RankStepStat
+    if session.scalar(select(R.rank).where(R.job_id == job_id, R.step >= step - EVICTION_LOOKBACK_STEPS,
+                                           R.step <= step, R.node_id == node_id).limit(1)) is not None:
+        return True
+    S = StepMetric
+    return session.scalar(select(S.rank).where(S.job_id == job_id, S.node_id == node_id,
+                                               S.step >= step - EVICTION_LOOKBACK_STEPS, S.step <= step)
+                          .limit(1)) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Heatmap
+# --------------------------------------------------------------------------------------------------
+
+
+def job_heatmap(session: Session, job_id: str, *, since_step: int | None = None, max_ranks: int = 128,
+                max_steps: int = 200) -> StepHeatmapPublic:
+    """Step time rank x step, binned (module docstring).
+
+    Settled steps are binned by the database (``GROUP BY`` of the bin numbers over ``rank_step_stats``);
+    the forming ones are read as (step, rank, step time) rows, the latest per rank.
+    """
+    st = _steps(session, job_id, since_step, dups=False)
+    R, J = RankStepStat, JobStepStat
+    lo_step = since_step if since_step is not None else 0
+    # Bounds of the settled steps: steps from the job rows (one per step), ranks by a min/max seek per
+    # step in the rank rows' primary key (job_id, step, rank), never a scan of them.
+    r_min = select(func.min(R.rank)).where(R.job_id == J.job_id, R.step == J.step).scalar_subquery()
+    r_max = select(func.max(R.rank)).where(R.job_id == J.job_id, R.step == J.step).scalar_subquery()
+    bounds = [session.execute(select(func.min(J.step), func.max(J.step), func.min(r_min), func.max(r_max)).where(
+        J.job_id == job_id, J.step >= lo_step, J.step_time_max_s.is_not(None), J.step.not_in(st.forming))).one()]
+    forming, _ = _latest_rows(session, job_id, st.forming, StepMetric.step_time_s)
+    cells = [(step, rank, r.step_time_s) for step, rows in forming.items() for rank, r in rows.items()]
+    if cells:
+        bounds.append((min(c[0] for c in cells), max(c[0] for c in cells), min(c[1] for c in cells),
+                       max(c[1] for c in cells)))
+    present = [b for b in bounds if b[0] is not None and b[2] is not None]
+    if not present:
+        return StepHeatmapPublic(job_id=job_id, rank_lo=[], rank_hi=[], step_lo=[], step_hi=[], z=[])
+    s0 = min(b[0] for b in present)  # the first step with data at or after since_step
+    s1 = max(b[1] for b in present)
+    r0, r1 = min(b[2] for b in present), max(b[3] for b in present)
+    rb = -(-(r1 - r0 + 1) // max_ranks)
+    sb = -(-(s1 - s0 + 1) // max_steps)
+    n_rows = -(-(r1 - r0 + 1) // rb)
+    n_cols = -(-(s1 - s0 + 1) // sb)
+    z: list[list[float | None]] = [[None] * n_cols for _ in range(n_rows)]
+
+    def put(i: int, j: int, v: float | None) -> None:
+        if v is not None and (z[i][j] is None or v > z[i][j]):  # type: ignore[operator]
+            z[i][j] = v
+
+    rbin = ((R.rank - r0) // rb).label("rbin")
+    sbin = ((R.step - s0) // sb).label("sbin")
+    for i, j, v in session.connection().execute(select(rbin, sbin, func.max(R.step_time_s)).where(
+            R.job_id == job_id, R.step >= s0, R.step <= s1, R.step_time_s.is_not(None), R.step.not_in(st.forming))
+            .group_by("rbin", "sbin")).all():
+        put(i, j, v)
+    for step, rank, v in cells:
+        if s0 <= step <= s1:
+            put((rank - r0) // rb, (step - s0) // sb, v)
+    # Microseconds are plenty for a picture, and halve the answer (25,600 cells at the defaults).
+    z = [[None if v is None else round(v, 6) for v in row] for row in z]
+    return StepHeatmapPublic(
+        job_id=job_id,
+        rank_lo=[r0 + i * rb for i in range(n_rows)], rank_hi=[min(r1, r0 + (i + 1) * rb - 1) for i in range(n_rows)],
+        step_lo=[s0 + j * sb for j in range(n_cols)], step_hi=[min(s1, s0 + (j + 1) * sb - 1) for j in range(n_cols)],
+        z=z,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Goodput
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """When one step ran: its kept (latest) attempt ``[start, end]`` and its earlier attempts."""
+
+    step: int
+    start: float
+    end: float
+    reruns: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass
+class Timeline:
+    """What goodput is computed from (:func:`goodput_from`); times are unix seconds."""
+
+    started: float | None
+    ended: float
+    """``finished_at``, or now while the job runs."""
+    steps: list[StepRun] = field(default_factory=list)
+    checkpoints: dict[int, list[float]] = field(default_factory=dict)
+    """Step -> completion times of its checkpoints."""
+    hangs: list[float] = field(default_factory=list)
+    """Detection times of ``hang`` incidents."""
+    acted: list[float] = field(default_factory=list)
+    """Times Vigil acted on an incident (a restart follows)."""
+    recovered: list[float] = field(default_factory=list)
+    """``recovered_at`` of incidents: the end of the first step after a restart."""
+    restarts: int = 0
+    """The job's restart counter."""
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    step: int
+    start: float
+    end: float
+    kept: bool
+
+
+@dataclass
+class _Block:
+    """Attempts that ran back to back (overlapping), as one stretch of computing."""
+
+    start: float
+    end: float
+    first_step: int
+    first_kept: bool
+    last_step: int
+    last_kept: bool
+
+
+def _union_length(spans: Iterable[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None and cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None and cur_s is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def goodput_from(job_id: str, tl: Timeline) -> GoodputPublic:
+    """Goodput of a job from its timeline (the rules: module docstring)."""
+    lost = dict.fromkeys(LOST_CAUSES, 0.0)
+    steps_rerun = sum(1 for s in tl.steps if s.reruns)
+    if tl.started is None:
+        return GoodputPublic(job_id=job_id, wall_s=0.0, productive_s=0.0, lost_s=lost, ettr=None,
+                             restarts=tl.restarts, steps_rerun=steps_rerun)
+    t0, t1 = tl.started, max(tl.ended, tl.started)
+
+    # 1. Attempts: kept ones, rolled-back ones, earlier ones; clipped to the wall.
+    attempts: list[_Attempt] = []
+    lower_end = -math.inf  # the latest end among the lower steps' latest attempts
+    for run in sorted(tl.steps, key=lambda r: r.step):
+        rolled_back = lower_end > run.end + (run.end - run.start)
+        attempts.append(_Attempt(run.step, run.start, run.end, kept=not rolled_back))
+        attempts += [_Attempt(run.step, s, e, kept=False) for s, e in run.reruns]
+        lower_end = max(lower_end, run.end)
+    clipped = [_Attempt(a.step, max(a.start, t0), min(a.end, t1), a.kept) for a in attempts]
+    clipped = [a for a in clipped if a.end > a.start]
+    productive = _union_length((a.start, a.end) for a in clipped if a.kept)
+
+    # 2. Blocks of computing, and the gaps between them.
+    blocks: list[_Block] = []
+    for a in sorted(clipped, key=lambda a: (a.start, a.end)):
+        b = blocks[-1] if blocks else None
+        if b is not None and a.start <= b.end:
+            if a.end >= b.end:
+                b.end, b.last_step, b.last_kept = a.end, a.step, a.kept
+        else:
+            blocks.append(_Block(a.start, a.end, a.step, a.kept, a.step, a.kept))
+    lost["lost_steps"] += sum(b.end - b.start for b in blocks) - productive
+
+    bounds = [t0] + [t for b in blocks for t in (b.start, b.end)] + [t1]
+    restarts_seen = 0
+    for i in range(len(blocks) + 1):
+        x, y = bounds[2 * i], bounds[2 * i + 1]
+        prev = blocks[i - 1] if i > 0 else None
+        nxt = blocks[i] if i < len(blocks) else None
+        if _gap(tl, x, y, prev, nxt, lost):
+            restarts_seen += 1
+    wall = t1 - t0
+    return GoodputPublic(job_id=job_id, wall_s=wall, productive_s=productive, lost_s=lost,
+                         ettr=productive / wall if wall > 0 else None, restarts=max(tl.restarts, restarts_seen),
+                         steps_rerun=steps_rerun)
+
+
+def _gap(tl: Timeline, x: float, y: float, prev: _Block | None, nxt: _Block | None, lost: dict[str, float]) -> bool:
+    """Attribute the gap ``[x, y]`` (no attempt ran) to its causes in ``lost``; whether it holds a restart."""
+    if y <= x:
+        return False
+    went_back = prev is not None and nxt is not None and nxt.first_step <= prev.last_step
+    # The monitor's recovered_at is the end of the first step after the restart: the gap just before it.
+    recovered = nxt is not None and any((y <= t <= nxt.end) for t in tl.recovered)
+    acted = [t for t in tl.acted if x <= t < y]
+    restart = went_back or recovered or bool(acted)
+    hang = min((t for t in tl.hangs if x < t <= y), default=None)
+    cur = x
+    if prev is not None and tl.checkpoints.get(prev.last_step):
+        if restart or hang is not None:
+            done = [c for c in tl.checkpoints[prev.last_step] if x < c <= y]
+            end = max(done, default=x)
+        else:
+            end = y
+        lost["checkpoint"] += end - cur
+        cur = end
+    if hang is not None and hang > cur:
+        lost["hang"] += hang - cur
+        cur = hang
+    if cur >= y:
+        return restart
+    if restart:
+        if prev is None:  # before the first step: starting up, until the first action
+            split = min([t for t in acted if t > cur] + [y]) if acted else cur
+            lost["startup"] += split - cur
+            cur = split
+        lost["restart"] += y - cur
+    elif prev is None:
+        lost["startup"] += y - cur
+    elif nxt is not None and not prev.last_kept and not nxt.first_kept:
+        lost["lost_steps"] += y - cur
+    else:
+        lost["other"] += y - cur
+    return restart
+
+
+def job_timeline(session: Session, job: Job, now: float) -> Timeline:
+    """Read a job's :class:`Timeline`: its steps' attempts (aggregates, and the forming steps' raw rows),
+    checkpoints and incidents."""
+    job_id = job.id
+    st = _steps(session, job_id)
+    J = JobStepStat
+    runs: dict[int, StepRun] = {}
+    for step, start, ts, mx, reruns in session.execute(
+        select(J.step, J.start_ts, J.ts, J.step_time_max_s, J.reruns)
+        .where(J.job_id == job_id, J.step_time_max_s.is_not(None), J.step.not_in(st.forming))
+    ).all():
+        runs[step] = StepRun(step, start if start is not None else ts - (mx or 0.0), ts,
+                             tuple((float(s), float(e)) for s, e in (reruns or ())))
+    S = StepMetric
+    if st.clean:
+        for step, start, end in session.execute(
+            select(S.step, func.min(S.ts - S.step_time_s), func.max(S.ts))
+            .where(S.job_id == job_id, S.step.in_(st.clean)).group_by(S.step)
+        ).all():
+            runs[step] = StepRun(step, float(start), float(end))
+    for step, (start, end, reruns) in _dup_attempts(session, job_id, st).items():
+        runs[step] = StepRun(step, start, end, tuple((s, e) for s, e in (reruns or ())))
+    checkpoints: dict[int, list[float]] = defaultdict(list)
+    for step, created in session.execute(select(Checkpoint.step, Checkpoint.created_at)
+                                         .where(Checkpoint.job_id == job_id)).all():
+        checkpoints[step].append(created.timestamp())
+    hangs, acted, recovered = [], [], []
+    for kind, detected, acted_at, recovered_at in session.execute(
+        select(Incident.kind, Incident.detected_at, Incident.acted_at, Incident.recovered_at)
+        .where(Incident.job_id == job_id)
+    ).all():
+        if kind == "hang":
+            hangs.append(detected.timestamp())
+        if acted_at is not None:
+            acted.append(acted_at.timestamp())
+        if recovered_at is not None:
+            recovered.append(recovered_at.timestamp())
+    return Timeline(
+        started=_ts(job.started_at), ended=_ts(job.finished_at) or now, steps=sorted(runs.values(), key=lambda r: r.step),
+        checkpoints=dict(checkpoints), hangs=sorted(hangs), acted=sorted(acted), recovered=sorted(recovered),
+        restarts=job.restarts or 0,
+    )
+
+
+def job_goodput(session: Session, job: Job, now: float) -> GoodputPublic:
+    """Where the job's wall time went (module docstring)."""
+    return goodput_from(job.id, job_timeline(session, job, now))
+
+
+# --------------------------------------------------------------------------------------------------
+# Node history
+# --------------------------------------------------------------------------------------------------
+
+
+def node_history(session: Session, node_id: str, *, since_ts: float | None = None,
+                 max_points: int = 2000) -> NodeHistoryPublic:
+    """The node's host samples from ``since_ts``, oldest first, decimated (module docstring)."""
+    H = NodeHostSample
+    q = select(H.ts, *(getattr(H, f) for f in HOST_FIELDS)).where(H.node_id == node_id)
+    if since_ts is not None:
+        q = q.where(H.ts >= since_ts)
+    rows = [tuple(r) for r in session.execute(q.order_by(H.ts)).all()]
+    if len(rows) > max_points >= 3:
+        inner = rows[1:-1]
+        size = -(-len(inner) // (max_points - 2))
+        merged = [rows[0]]
+        for i in range(0, len(inner), size):
+            chunk = inner[i:i + size]
+            merged.append((chunk[-1][0], *(
+                max((v for v in col if v is not None), default=None) for col in list(zip(*chunk, strict=True))[1:])))
+        merged.append(rows[-1])
+        rows = merged
+    cols = list(zip(*rows, strict=True)) if rows else [()] * (len(HOST_FIELDS) + 1)
+    return NodeHistoryPublic(node_id=node_id, ts=list(cols[0]),
+                             **{f: list(cols[i + 1]) for i, f in enumerate(HOST_FIELDS)})
+
+
+__all__ = [
+    "MAX_FORMING_STEPS", "MAX_MARKERS", "StepRun", "Timeline", "goodput_from", "job_goodput", "job_heatmap",
+    "job_markers", "job_overview", "job_timeline", "node_history",
+]

@@ -1,0 +1,662 @@
+"""The derived read views over HTTP: job overview, binned step-time heatmap, goodput, node host history.
+
+The real controller (:mod:`tests.live_controller`: ``create_app`` on SQLite, auth on, served by uvicorn)
+gets its data the way production does: jobs through the API, steps, collectives, checkpoints and
+heartbeats as agents' telemetry batches, recovery through ``POST /jobs/{id}/recover`` and the monitor;
+the aggregator runs one flush at a time, so each view is checked both while its steps are still forming
+(computed from raw samples) and once they are aggregated. Only what no API can set is written to the
+database directly: a job's start and end times, and a past hang incident (goodput's constructed
+timeline). Expected values come from the definitions (nearest-rank percentiles, bin edges, the
+goodput rules), worked out here by hand. The goodput rules are also checked one cause at a time on
+the pure function. One overview and heatmap case runs on PostgreSQL, and one reads aggregates written
+before migration 0006.
+
+Needs: loopback networking; PostgreSQL on 127.0.0.1:5432 for the postgresql cases (skipped without).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, insert, select, update
+
+from controller import migrate, views
+from controller.aggregation import attempt_spans
+from controller.client import ApiError
+from controller.db import make_engine, session_scope
+from controller.host_history import HOST_FIELDS, extract
+from controller.models import Incident, Job, JobStepStat, NodeHostSample, RankStepStat
+from controller.schemas import (
+    LOST_CAUSES,
+    CheckpointSample,
+    CollectiveSample,
+    Heartbeat,
+    JobStatus,
+    RecoverRequest,
+    Role,
+    TelemetryBatch,
+)
+from controller.views import StepRun, Timeline, goodput_from
+from tests.live_controller import LiveController, step_sample
+
+API = "/api/v1"
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def running_job(lc: LiveController, steps: int = 1000) -> str:
+    job = lc.submit_job("views", steps=steps).id
+    lc.set_job_status(job, JobStatus.RUNNING)
+    return job
+
+
+def post_steps(lc: LiveController, job: str, rows: Iterable[tuple[int, int, float, float]], node: str = "n1",
+               **fields: Any) -> None:
+    """Step samples (rank, step, end ts, step time) from ``node``'s agent, in batches."""
+    samples = [step_sample(job, rank, step, ts=ts, step_time_s=st, **fields) for rank, step, ts, st in rows]
+    for i in range(0, len(samples), 5000):
+        lc.post_batch(node, samples[i:i + 5000])
+
+
+def flush(lc: LiveController) -> None:
+    lc.settle()
+    lc.app.state.telemetry.flush()
+
+
+def viewer(lc: LiveController) -> Any:
+    return lc.client(Role.VIEWER)
+
+
+def set_job_times(lc: LiveController, job: str, started: float | None, finished: float | None = None) -> None:
+    """A job's start and end (no API sets them: the supervisor does, at the time it sees Ray's status)."""
+    def dt(t: float | None) -> datetime | None:
+        return datetime.fromtimestamp(t, UTC) if t is not None else None
+    with session_scope(lc.app.state.sessions) as s:
+        s.execute(update(Job).where(Job.id == job).values(started_at=dt(started), finished_at=dt(finished)))
+
+
+def nearest_rank(values: list[float], q: int) -> float:
+    """The q-th percentile by the nearest-rank definition: the ceil(q/100 n)-th smallest value."""
+    ordered = sorted(values)
+    k = -(-q * len(ordered) // 100)
+    return ordered[k - 1]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_lc(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LiveController]:
+    """The live controller on SQLite, and once more on a fresh PostgreSQL database."""
+    settings = {}
+    if request.param == "postgresql":
+        settings["database_url"] = request.getfixturevalue("postgres_url")
+    with LiveController(tmp_path / "controller", **settings) as lc:
+        yield lc
+
+
+# --------------------------------------------------------------------------------------------------
+# Overview
+# --------------------------------------------------------------------------------------------------
+
+
+def test_overview_figures_are_exact_forming_and_aggregated(any_lc: LiveController) -> None:
+    lc = any_lc
+    job = running_job(lc)
+    t0 = time.time() - 100
+    # Step 1: 10 ranks with step times 0.1 .. 1.0 (rank r: 0.1 * (10 - r)), the max twice (ranks 0 and 3),
+    # losses with one missing (not finite), validation loss on two ranks, and one collective per rank.
+    times = {r: round(0.1 * (10 - r), 3) for r in range(10)}
+    times[3] = 1.0
+    samples = []
+    for r in range(10):
+        samples.append(step_sample(job, r, 1, ts=t0 + 1 + r / 100, step_time_s=times[r], loss=None if r == 7 else 2.0 + r,
+                                   tokens_per_s=100.0 + r, val_loss=3.0 + r if r in (2, 5) else None))
+        samples.append(CollectiveSample(job_id=job, rank=r, step=1, seq=0, op="all_reduce", payload_bytes=100,
+                                        wire_bytes=1000 + r, duration_s=0.01, ts=t0 + 1))
+    # Step 2: no finite loss at all; 4 ranks only.
+    samples += [step_sample(job, r, 2, ts=t0 + 2, step_time_s=0.2 + r / 10, loss=None) for r in range(4)]
+    lc.post_batch("n1", samples)
+    want_step1 = {
+        "loss": sum(2.0 + r for r in range(10) if r != 7) / 9, "val_loss": (5.0 + 8.0) / 2,
+        "tokens_per_s": sum(100.0 + r for r in range(10)),
+        "step_time_p50_s": nearest_rank(list(times.values()), 50), "step_time_p90_s": nearest_rank(list(times.values()), 90),
+        "step_time_max_s": 1.0, "slowest_rank": 0, "reporting": 10, "wire_bytes": sum(1000 + r for r in range(10)),
+    }
+    assert want_step1["step_time_p50_s"] == 0.5 and want_step1["step_time_p90_s"] == 1.0  # 9th of 10: 1.0 (twice)
+    for aggregated in (False, True):
+        if aggregated:
+            flush(lc)
+        with viewer(lc) as c:
+            ov = c.job_overview(job)
+        assert ov.step == [1, 2] and ov.final == [aggregated, aggregated] and ov.last_step == 2, aggregated
+        for key, want in want_step1.items():
+            assert getattr(ov, key)[0] == pytest.approx(want), (key, aggregated)
+        assert ov.loss[1] is None and ov.val_loss[1] is None and ov.reporting[1] == 4 and ov.slowest_rank[1] == 3
+        assert ov.step_time_p50_s[1] == pytest.approx(0.3) and ov.step_time_p90_s[1] == pytest.approx(0.5)
+        assert ov.ts[0] == pytest.approx(t0 + 1.09) and ov.ranks == 10
+
+
+def test_overview_since_step_and_decimation_keep_the_spike(live_controller: LiveController) -> None:
+    lc = live_controller
+    job = running_job(lc)
+    t0 = time.time() - 1000
+    rows = [(r, s, t0 + s, 5.0 if (s, r) == (137, 1) else 0.1 + r / 100) for s in range(300) for r in range(2)]
+    post_steps(lc, job, rows)
+    flush(lc)
+    with viewer(lc) as c:
+        full = c.job_overview(job)
+        assert full.step == list(range(300)) and full.last_step == 299
+        small = c.job_overview(job, max_points=20)
+        assert len(small.step) <= 20 and small.step[0] == 0 and small.step[-1] == 299
+        assert 137 in small.step and max(small.step_time_max_s) == 5.0
+        assert small.slowest_rank[small.step.index(137)] == 1
+        assert small.last_step == 299  # the last step survives decimation
+        newer = c.job_overview(job, since_step=250)
+        assert newer.step == list(range(250, 300)) and newer.last_step == 299
+        none = c.job_overview(job, since_step=300)
+        assert none.step == [] and none.last_step is None
+        # since_step limits the steps, never the slowest ranks (the job's last rank_window steps).
+        assert [r.rank for r in none.slowest_ranks] == [1, 0] and none.ranks == 2
+
+
+def test_overview_stops_before_a_forming_step_it_cannot_show(live_controller: LiveController,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the newest forming steps are computed from raw samples: an older one without an aggregate
+    ends the answer just before it, so a client asking from last_step + 1 gets it later, never skips it."""
+    monkeypatch.setattr(views, "MAX_FORMING_STEPS", 4)
+    lc = live_controller
+    job = running_job(lc)
+    t0 = time.time() - 100
+    post_steps(lc, job, [(0, s, t0 + s, 0.1) for s in range(5)])
+    flush(lc)
+    post_steps(lc, job, [(0, s, t0 + s, 0.1) for s in range(5, 15)])  # 10 forming steps: 11..14 computed
+    post_steps(lc, job, [(1, 2, t0 + 2, 0.7)], node="n2")  # a late sample: step 2 forming again, aggregated before
+    with viewer(lc) as c:
+        ov = c.job_overview(job)
+        assert ov.step == [0, 1, 2, 3, 4] and ov.last_step == 4
+        assert ov.final == [True, True, False, True, True] and ov.step_time_max_s[2] == 0.1  # its aggregate, for now
+        assert c.job_overview(job, since_step=5).step == []
+        flush(lc)
+        ov = c.job_overview(job)
+        assert ov.step == list(range(15)) and all(ov.final) and ov.step_time_max_s[2] == 0.7
+
+
+def test_rerun_step_keeps_its_latest_attempt(live_controller: LiveController) -> None:
+    lc = live_controller
+    job = running_job(lc)
+    t0 = time.time() - 100
+    post_steps(lc, job, [(r, s, t0 + s, 0.5) for s in range(1, 7) for r in range(2)])
+    flush(lc)
+    # A restart from the checkpoint of step 3: steps 4..6 again, later and slower.
+    post_steps(lc, job, [(r, s, t0 + 20 + s, 0.9 + r / 10) for s in range(4, 7) for r in range(2)])
+    for aggregated in (False, True):
+        if aggregated:
+            flush(lc)
+        with viewer(lc) as c:
+            ov = c.job_overview(job)
+        assert ov.step == [1, 2, 3, 4, 5, 6], aggregated
+        assert ov.step_time_max_s == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.0, 1.0]), aggregated
+        assert ov.ts[3:] == pytest.approx([t0 + 24, t0 + 25, t0 + 26]) and ov.reporting == [2] * 6
+        assert ov.final == [True, True, True, aggregated, aggregated, aggregated]
+        restarts = [m for m in ov.markers if m.kind == "restart"]
+        assert [(m.step, m.ts) for m in restarts] == [(4, pytest.approx(t0 + 24 - 1.0))], aggregated
+
+
+def test_slowest_ranks_top_k_over_the_rank_window(live_controller: LiveController) -> None:
+    lc = live_controller
+    job = running_job(lc)
+    t0 = time.time() - 1000
+    # 8 ranks (0-3 on n1, 4-7 on n2); rank r takes 0.1 + r/100 s, except rank 5: 0.3 s in the last 10 steps.
+    def st(r: int, s: int) -> float:
+        return 0.3 if r == 5 and s >= 50 else 0.1 + r / 100
+    for node, ranks in (("n1", range(4)), ("n2", range(4, 8))):
+        samples: list[Any] = []
+        for s in range(60):
+            for r in ranks:
+                samples.append(step_sample(job, r, s, ts=t0 + s, step_time_s=st(r, s)))
+                samples.append(CollectiveSample(job_id=job, rank=r, step=s, seq=0, op="all_reduce", payload_bytes=8,
+                                                wire_bytes=8, duration_s=0.01 * (r + 1), ts=t0 + s))
+        lc.post_batch(node, samples)
+    flush(lc)
+    with viewer(lc) as c:
+        ov = c.job_overview(job, top_k=3, rank_window=10)
+        assert ov.ranks == 8
+        means = {r: st(r, 55) for r in range(8)}
+        median = sorted(means.values())[(8 - 1) // 2]  # the lower middle of 8 means: rank 3's
+        assert [s.rank for s in ov.slowest_ranks] == [5, 7, 6]
+        five = ov.slowest_ranks[0]
+        assert (five.node_id, five.steps) == ("n2", 10)
+        assert five.step_time_mean_s == pytest.approx(0.3) and five.step_time_max_s == pytest.approx(0.3)
+        assert five.vs_median == pytest.approx(0.3 / median)
+        assert five.comm_wait_mean_s == pytest.approx(0.05)  # its duration minus the fastest rank's (rank 0)
+        wide = c.job_overview(job, top_k=1, rank_window=60)
+        mean5 = (50 * 0.15 + 10 * 0.3) / 60
+        assert [(s.rank, s.steps) for s in wide.slowest_ranks] == [(5, 60)]
+        assert wide.slowest_ranks[0].step_time_mean_s == pytest.approx(mean5)
+        assert wide.slowest_ranks[0].vs_median == pytest.approx(mean5 / 0.13)
+
+
+def test_markers_at_their_steps(live_controller: LiveController) -> None:
+    """A checkpoint, a fault, an eviction, a manual recovery (incident) and the restart the monitor saw."""
+    lc = live_controller
+    job = running_job(lc)
+    t0 = time.time() - 11  # the last step just ended: no hang to detect
+    lc.heartbeat("n1", ranks=[(job, 0, 4242)])
+    post_steps(lc, job, [(0, s, t0 + s, 0.5) for s in range(1, 11)], node="n1")
+    post_steps(lc, job, [(1, s, t0 + s, 0.5) for s in range(1, 11)], node="n2")  # n2: no heartbeat lists ranks
+    lc.post_batch("n1", [CheckpointSample(job_id=job, step=5, ts=t0 + 5.2, path="/ck/5")])
+    lc.post_batch("n9", [])  # a node that never ran the job
+    flush(lc)
+    fault = lc.inject_fault(job, "kill_rank", rank=0, step=3)
+    lc.monitor_pass()  # fires the fault (the job is at step 10)
+    with lc.client() as admin:
+        admin.evict_node("n2")
+        admin.evict_node("n9")
+        inc = admin.recover_job(job, RecoverRequest(reason="views test"))
+    # The ranks come back from the checkpoint of step 5: step 6 again, then 7 and 8.
+    t1 = time.time() + 1
+    for node, rank in (("n1", 0), ("n2", 1)):
+        post_steps(lc, job, [(rank, s, t1 + s - 6, 0.5) for s in range(6, 9)], node=node)
+    lc.monitor_pass()  # sees the restart: the incident is recovered, a restart counted
+    with viewer(lc) as c:
+        checkpoint_id = c.job_checkpoints(job).data[0].id
+        for aggregated in (False, True):
+            if aggregated:
+                flush(lc)
+            markers = c.job_overview(job).markers
+            got = sorted((m.kind, m.step, m.ref) for m in markers)
+            assert got == sorted([
+                ("checkpoint", 5, str(checkpoint_id)), ("fault", 10, str(fault.id)),
+                ("eviction", 10, "n2"), ("incident", 10, str(inc.id)), ("restart", 6, str(inc.id)),
+            ]), (aggregated, got)
+            by_kind = {m.kind: m for m in markers}
+            assert by_kind["checkpoint"].ts == pytest.approx(t0 + 5.2) and "step 5" in by_kind["checkpoint"].label
+            assert "manual" in by_kind["incident"].label and "restart 1" in by_kind["restart"].label
+            assert by_kind["restart"].ts == pytest.approx(t1)  # recovered_at: rank 0's first step after it
+            assert [m.ts for m in markers] == sorted(m.ts for m in markers)
+
+
+# --------------------------------------------------------------------------------------------------
+# Heatmap
+# --------------------------------------------------------------------------------------------------
+
+
+def test_heatmap_bins_ten_ranks_into_four_rows(any_lc: LiveController) -> None:
+    lc = any_lc
+    job = running_job(lc)
+    t0 = time.time() - 100
+    def st(r: int, s: int) -> float:
+        return 9.0 if (r, s) == (4, 12) else r / 100 + s / 1000
+    # Ranks 0..9, steps 10..16; rank 9 reports no step of 13..15; step 16 is re-run by rank 0 (faster).
+    rows = [(r, s, t0 + s, st(r, s)) for s in range(10, 17) for r in range(10) if not (r == 9 and 13 <= s <= 15)]
+    post_steps(lc, job, rows)
+    post_steps(lc, job, [(0, 16, t0 + 30, 0.001)])
+    for aggregated in (False, True):
+        if aggregated:
+            flush(lc)
+        with viewer(lc) as c:
+            hm = c.job_heatmap(job, max_ranks=4, max_steps=3)
+            assert (hm.rank_lo, hm.rank_hi) == ([0, 3, 6, 9], [2, 5, 8, 9]), aggregated
+            assert (hm.step_lo, hm.step_hi) == ([10, 13, 16], [12, 15, 16])
+            def cell(r_lo: int, r_hi: int, s_lo: int, s_hi: int) -> float | None:
+                vals = [st(r, s) for r, s, *_ in ((r, s) for s in range(s_lo, s_hi + 1) for r in range(r_lo, r_hi + 1))
+                        if not (r == 9 and 13 <= s <= 15) and not (r == 0 and s == 16)]
+                if r_lo == 0 and s_hi == 16:
+                    vals.append(0.001)  # rank 0's latest attempt of step 16
+                return max(vals) if vals else None
+            want = [[cell(rl, rh, sl, sh) for sl, sh in zip(hm.step_lo, hm.step_hi, strict=True)]
+                    for rl, rh in zip(hm.rank_lo, hm.rank_hi, strict=True)]
+            assert hm.z == [[pytest.approx(v) if v is not None else None for v in row] for row in want]
+            assert hm.z[1][0] == 9.0 and hm.z[3][1] is None  # the straggler survives; no data is None
+            assert hm.z[0][2] == pytest.approx(0.02 + 0.016)  # rank 0's re-run (0.001) replaced its 0.016
+            full = c.job_heatmap(job)
+            assert (full.rank_lo, full.rank_hi, full.step_lo) == (list(range(10)), list(range(10)), list(range(10, 17)))
+            assert full.z[4][2] == 9.0 and full.z[9][3] is None and full.z[0][6] == pytest.approx(0.001)
+            later = c.job_heatmap(job, since_step=14, max_ranks=4, max_steps=3)
+            assert (later.step_lo, later.step_hi) == ([14, 15, 16], [14, 15, 16])
+            assert c.job_heatmap(job, since_step=3).step_lo[0] == 10  # no empty columns before the first step
+            assert c.job_heatmap(job, since_step=17).z == []
+
+
+def test_heatmap_of_a_job_without_steps_is_empty(live_controller: LiveController) -> None:
+    job = running_job(live_controller)
+    with viewer(live_controller) as c:
+        hm = c.job_heatmap(job)
+        assert (hm.rank_lo, hm.step_lo, hm.z) == ([], [], [])
+        ov = c.job_overview(job)
+        assert (ov.step, ov.slowest_ranks, ov.last_step, ov.ranks) == ([], [], None, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Goodput: the pure rules, one cause at a time
+# --------------------------------------------------------------------------------------------------
+
+
+def check_invariant(g: Any) -> None:
+    assert set(g.lost_s) == set(LOST_CAUSES)
+    assert g.productive_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s, abs=1e-9)
+    assert all(v >= -1e-12 for v in g.lost_s.values()), g.lost_s
+
+
+def runs(*spans: tuple[int, float, float]) -> list[StepRun]:
+    return [StepRun(step, start, end) for step, start, end in spans]
+
+
+def lost(g: Any) -> dict[str, float]:
+    return {k: round(v, 9) for k, v in g.lost_s.items() if v}
+
+
+def test_goodput_before_the_start_and_a_clean_run() -> None:
+    g = goodput_from("j", Timeline(started=None, ended=100.0, steps=runs((1, 10.0, 11.0))))
+    assert (g.wall_s, g.productive_s, g.ettr) == (0.0, 0.0, None) and set(g.lost_s.values()) == {0.0}
+    # Start at 0, steps of 1 s from 2 s with 0.1 s between them, end at 12.
+    steps = runs(*[(k, 2 + 1.1 * (k - 1), 3 + 1.1 * (k - 1)) for k in range(1, 10)])
+    g = goodput_from("j", Timeline(started=0.0, ended=12.0, steps=steps))
+    check_invariant(g)
+    assert g.productive_s == pytest.approx(9.0) and g.ettr == pytest.approx(9.0 / 12.0)
+    end = 3 + 1.1 * 8
+    assert lost(g) == {"startup": 2.0, "other": pytest.approx(8 * 0.1 + (12 - end))}
+    assert (g.restarts, g.steps_rerun) == (0, 0)
+
+
+def test_goodput_checkpoint_gap_and_a_checkpoint_before_a_restart() -> None:
+    steps = runs((1, 0.0, 1.0), (2, 1.0, 2.0), (3, 4.0, 5.0), (4, 5.0, 6.0), (5, 20.0, 21.0))
+    # Checkpoint of step 2 (done at 3.5): the gap 2..4 is all checkpoint (no restart in it). Checkpoint of
+    # step 4 done at 7, then Vigil acted at 9 and the job ran step 5 at 20: 6..7 checkpoint, 7..20 restart.
+    tl = Timeline(started=0.0, ended=21.0, steps=steps, checkpoints={2: [3.5], 4: [7.0]}, acted=[9.0], restarts=1)
+    g = goodput_from("j", tl)
+    check_invariant(g)
+    assert lost(g) == {"checkpoint": 3.0, "restart": 13.0} and g.productive_s == 5.0 and g.restarts == 1
+
+
+def test_goodput_restart_after_a_drain_is_placed_by_recovered_at() -> None:
+    # Vigil drained a node during step 3 (acted at 3.5); the ranks checkpointed step 3 (done at 4.5) and
+    # resumed at step 4 (10..11) without re-running anything: the monitor saw the restart end at 11.
+    steps = runs((1, 0.0, 2.0), (2, 2.0, 3.0), (3, 3.0, 4.0), (4, 10.0, 11.0))
+    tl = Timeline(started=0.0, ended=11.0, steps=steps, checkpoints={3: [4.5]}, acted=[3.5], recovered=[11.0])
+    g = goodput_from("j", tl)
+    check_invariant(g)
+    assert lost(g) == {"checkpoint": 0.5, "restart": 5.5} and g.restarts == 1
+
+
+def test_goodput_hang_restart_and_lost_steps() -> None:
+    # Steps 1-4 kept; 5-8 ran 7..11 and were thrown away: a hang was detected at 20, Vigil acted at 21,
+    # the ranks re-ran 5-9 from 30 (the monitor saw step 5 end at 31).
+    steps = runs((1, 2.0, 3.0), (2, 3.0, 4.0), (3, 4.0, 5.0), (4, 5.0, 6.0))
+    steps += [StepRun(k, 25.0 + k, 26.0 + k, ((2.0 + k, 3.0 + k),)) for k in range(5, 9)] + runs((9, 34.0, 35.0))
+    tl = Timeline(started=0.0, ended=40.0, steps=steps, checkpoints={4: [6.8]}, hangs=[20.0], acted=[21.0],
+                  recovered=[31.0], restarts=1)
+    g = goodput_from("j", tl)
+    check_invariant(g)
+    assert g.productive_s == pytest.approx(9.0) and g.ettr == pytest.approx(9.0 / 40.0)
+    assert lost(g) == {"startup": 2.0, "checkpoint": 1.0, "lost_steps": 4.0, "hang": 9.0, "restart": 10.0,
+                       "other": 5.0}
+    assert (g.restarts, g.steps_rerun) == (1, 4)
+
+
+def test_goodput_restart_seen_only_in_the_steps_and_one_under_way() -> None:
+    # Ray restarted on its own (no incident): step 3 ran again after step 4 -> the gap is a restart.
+    steps = [StepRun(1, 0.0, 1.0), StepRun(2, 1.0, 2.0), StepRun(3, 10.0, 11.0, ((2.0, 3.0),)), StepRun(4, 11.0, 12.0)]
+    # ... but step 4's latest attempt is that of the first run (3..4): the run re-running step 3 has not
+    # reached it yet, so it is rolled back (lost), and the restart is under way.
+    steps[3] = StepRun(4, 3.0, 4.0)
+    g = goodput_from("j", Timeline(started=0.0, ended=15.0, steps=steps))
+    check_invariant(g)
+    assert g.productive_s == pytest.approx(3.0)  # steps 1, 2 and step 3's second attempt
+    assert lost(g) == {"lost_steps": 2.0, "restart": 6.0, "other": 4.0}
+    assert (g.restarts, g.steps_rerun) == (1, 1)
+
+
+def test_goodput_restart_before_the_first_step_and_gaps_inside_a_lost_run() -> None:
+    # Vigil acted at 3 before any step; the ranks ran steps from 5. A lost run 10..12 with a 0.5 s pause.
+    steps = [StepRun(1, 5.0, 6.0), StepRun(2, 20.0, 21.0, ((10.0, 11.0),)), StepRun(3, 21.0, 22.0, ((11.5, 12.0),))]
+    g = goodput_from("j", Timeline(started=0.0, ended=22.0, steps=steps, acted=[3.0], restarts=1))
+    check_invariant(g)
+    assert lost(g) == {"startup": 3.0, "restart": 2.0 + 8.0, "lost_steps": 1.5 + 0.5, "other": 4.0}
+    assert g.restarts == 2  # two gaps held a restart; the job's counter said 1
+    assert goodput_from("j", Timeline(started=0.0, ended=22.0, steps=steps, acted=[3.0], restarts=5)).restarts == 5
+
+
+def test_attempt_spans_split_kept_and_earlier_attempts() -> None:
+    # Ranks 0, 1 ran a step at 10..11; rank 1 again at 20..21, rank 0 at 20.2..21.2; rank 2 (evicted) only first.
+    start, reruns = attempt_spans([(0, 11.0, 1.0), (1, 11.0, 1.0), (2, 11.1, 1.0), (1, 21.0, 1.0), (0, 21.2, 1.0)])
+    assert start == 20.0 and reruns == [[10.0, 11.1]]
+    assert attempt_spans([(0, 5.0, 1.0)]) == (4.0, None)
+    assert attempt_spans([]) == (None, None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Goodput over HTTP: a constructed timeline, forming and aggregated
+# --------------------------------------------------------------------------------------------------
+
+
+def test_goodput_endpoint_on_a_constructed_timeline(live_controller: LiveController) -> None:
+    lc = live_controller
+    job = lc.submit_job("goodput", steps=100).id
+    with viewer(lc) as c:
+        g = c.job_goodput(job)
+    assert g.ettr is None and g.wall_s == 0.0  # not started
+    lc.set_job_status(job, JobStatus.RUNNING)
+    T = time.time() - 100
+    # The timeline of test_goodput_hang_restart_and_lost_steps, in real samples of two ranks.
+    rows = [(r, k, T + 2 + k, 1.0) for k in range(1, 5) for r in range(2)]
+    rows += [(r, k, T + 3 + k, 1.0) for k in range(5, 9) for r in range(2)]
+    post_steps(lc, job, rows)
+    lc.post_batch("n1", [CheckpointSample(job_id=job, step=4, ts=T + 6.8, path="/ck/4")])
+    flush(lc)
+    post_steps(lc, job, [(r, k, T + 26 + k, 1.0) for k in range(5, 10) for r in range(2)])
+    set_job_times(lc, job, started=T, finished=T + 40)
+    dt = lambda t: datetime.fromtimestamp(T + t, UTC)
+    with session_scope(lc.app.state.sessions) as s:
+        s.execute(insert(Incident).values(job_id=job, kind="hang", status="RECOVERED", evidence={}, step_at_detect=8,
+                                          detected_at=dt(20), acted_at=dt(21), recovered_at=dt(31)))
+        s.execute(update(Job).where(Job.id == job).values(restarts=1))
+    for aggregated in (False, True):
+        if aggregated:
+            flush(lc)
+        with viewer(lc) as c:
+            g = c.job_goodput(job)
+        check_invariant(g)
+        assert g.wall_s == pytest.approx(40.0)
+        assert g.productive_s == pytest.approx(9.0) and g.ettr == pytest.approx(9.0 / 40.0)
+        assert {k: pytest.approx(v) for k, v in lost(g).items()} == {
+            "startup": 2.0, "checkpoint": 1.0, "lost_steps": 4.0, "hang": 9.0, "restart": 10.0, "other": 5.0}
+        assert (g.restarts, g.steps_rerun) == (1, 4), aggregated
+
+
+def test_goodput_of_a_running_job_counts_until_now(live_controller: LiveController) -> None:
+    lc = live_controller
+    job = running_job(lc)
+    now = time.time()
+    set_job_times(lc, job, started=now - 10)
+    post_steps(lc, job, [(0, 1, now - 5, 1.0)])
+    with viewer(lc) as c:
+        g = c.job_goodput(job)
+    check_invariant(g)
+    assert 10.0 <= g.wall_s < 30.0 and g.productive_s == pytest.approx(1.0)
+    assert g.lost_s["startup"] == pytest.approx(4.0) and g.lost_s["other"] == pytest.approx(g.wall_s - 5.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Node host history
+# --------------------------------------------------------------------------------------------------
+
+FULL_HOST = {
+    "system": {"available": True, "cpu": {"available": True, "percent": 37.5},
+               "memory": {"available": True, "percent": 61.0},
+               "disk": {"/": {"available": True, "percent": 40.0}, "/data": {"available": True, "percent": 91.5},
+                        "/gone": {"available": False, "reason": "no such path"}},
+               "load": {"available": True, "1m": 3.25}},
+    "nics": {"available": True, "interfaces": {
+        "eth0": {"rx_bytes_per_s": 1000.0, "tx_bytes_per_s": 10.0, "rx_errors_per_s": 1.0, "tx_errors_per_s": 0.5,
+                 "rx_dropped_per_s": 0.25, "tx_dropped_per_s": 0.0},
+        "eth1": {"rx_bytes_per_s": 3000.0, "tx_bytes_per_s": None, "rx_errors_per_s": 2.0, "tx_errors_per_s": None,
+                 "rx_dropped_per_s": None, "tx_dropped_per_s": None}}},
+    "gpus": {"available": True, "count": 3, "devices": [
+        {"index": 0, "available": True, "util_percent": 90, "memory_used_bytes": 4, "memory_total_bytes": 8},
+        {"index": 1, "available": True, "util_percent": 30, "memory_used_bytes": 2, "memory_total_bytes": 8},
+        {"index": 2, "available": False, "reason": "lost"}]},
+}
+
+
+def heartbeat(lc: LiveController, node: str, ts: float, host: dict[str, Any]) -> None:
+    lc.post_batch(node, heartbeat=Heartbeat(ts=ts, hostname=node, host=host))
+
+
+def test_node_history_extracts_numbers_and_degrades(live_controller: LiveController) -> None:
+    lc = live_controller
+    t = time.time() - 1000
+    heartbeat(lc, "n1", t, FULL_HOST)
+    heartbeat(lc, "n1", t + 10, {"system": {"available": False, "reason": "psutil missing"},
+                                 "gpus": {"available": False, "reason": "no GPU on this node"}})
+    heartbeat(lc, "n1", t + 20, {"system": {"available": True, "cpu": {"available": False, "reason": "x"},
+                                            "memory": {"percent": "high"}, "disk": {}, "load": {"1m": None}},
+                                 "nics": {"available": True, "interfaces": {"eth0": {"rx_bytes_per_s": None}}},
+                                 "gpus": {"available": True, "devices": [{"util_percent": 50,
+                                                                          "memory_used_bytes": 1,
+                                                                          "memory_total_bytes": 0}]}})
+    with viewer(lc) as c:
+        h = c.node_history("n1")
+    assert h.node_id == "n1" and h.ts == [t, t + 10, t + 20]
+    assert h.cpu_percent == [37.5, None, None] and h.memory_percent == [61.0, None, None]
+    assert h.disk_percent == [91.5, None, None] and h.load_1m == [3.25, None, None]
+    assert h.rx_bytes_per_s == [4000.0, None, None] and h.tx_bytes_per_s == [10.0, None, None]
+    assert h.nic_errors_per_s == [3.5, None, None] and h.nic_drops_per_s == [0.25, None, None]
+    assert h.gpu_util_percent == [60.0, None, 50.0] and h.gpu_memory_percent == [pytest.approx(37.5), None, None]
+    with viewer(lc) as c:
+        assert c.node_history("n1", since_ts=t + 5).ts == [t + 10, t + 20]
+
+
+def test_node_history_is_bounded_and_a_duplicate_batch_adds_nothing(tmp_path: Path) -> None:
+    with LiveController(tmp_path / "c", host_history_interval_s=5.0, host_history_max_rows=10) as lc:
+        t = time.time() - 1000
+        heartbeat(lc, "n1", t, FULL_HOST)
+        heartbeat(lc, "n1", t + 2, FULL_HOST)  # within 5 s of the last sample: not stored
+        heartbeat(lc, "n1", t - 3, FULL_HOST)  # a replayed older heartbeat within 5 s: not stored either
+        for i in range(1, 15):
+            host = {"system": {"cpu": {"percent": 99.0 if i == 7 else float(i)}}}
+            heartbeat(lc, "n1", t + 10 * i, host)
+        heartbeat(lc, "n2", t, FULL_HOST)
+        with session_scope(lc.app.state.sessions) as s:
+            rows = s.scalars(select(NodeHostSample.ts).where(NodeHostSample.node_id == "n1")
+                             .order_by(NodeHostSample.ts)).all()
+            assert rows == [t + 10 * i for i in range(5, 15)]  # the newest 10 of 15
+            assert s.scalar(select(func.count()).select_from(NodeHostSample)
+                            .where(NodeHostSample.node_id == "n2")) == 1
+        with viewer(lc) as c:
+            h = c.node_history("n1", max_points=10)
+            assert h.ts == rows
+            # A replayed batch (same agent, same seq) is acknowledged and stores nothing.
+            batch = TelemetryBatch(agent_id="agent-n1", node_id="n1", seq=0, sent_at=time.time(),
+                                   heartbeat=Heartbeat(ts=t + 500, host=FULL_HOST))
+        with lc.client(Role.AGENT) as agent:
+            assert agent.post_telemetry(batch).duplicate is True
+        with viewer(lc) as c:
+            assert c.node_history("n1").ts == rows
+
+
+def test_node_history_decimation_keeps_a_spike_in_any_measure(tmp_path: Path) -> None:
+    with LiveController(tmp_path / "c", host_history_interval_s=0.0) as lc:
+        t = time.time() - 1000
+        for i in range(40):
+            host = {"system": {"cpu": {"percent": 95.0 if i == 17 else 10.0}, "memory": {"percent": 20.0 + i}},
+                    "nics": {"interfaces": {"eth0": {"rx_errors_per_s": 7.0 if i == 30 else 0.0}}}}
+            heartbeat(lc, "n1", t + i, host)
+        with viewer(lc) as c:
+            h = c.node_history("n1", max_points=10)
+        assert len(h.ts) <= 10 and h.ts[0] == t and h.ts[-1] == t + 39
+        assert max(h.cpu_percent) == 95.0 and max(h.nic_errors_per_s) == 7.0  # type: ignore[type-var]
+        assert h.memory_percent[-1] == 59.0 and h.ts == sorted(h.ts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input, unknown ids
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("route", "params", "field"), [
+    ("overview", {"top_k": 0}, "top_k"), ("overview", {"top_k": 101}, "top_k"),
+    ("overview", {"rank_window": 10_001}, "rank_window"), ("overview", {"max_points": 9}, "max_points"),
+    ("overview", {"since_step": -1}, "since_step"), ("heatmap", {"max_ranks": 1025}, "max_ranks"),
+    ("heatmap", {"max_steps": 0}, "max_steps"), ("heatmap", {"max_steps": 2001}, "max_steps"),
+])
+def test_bad_parameters_are_422_naming_the_field(live_controller: LiveController, route: str,
+                                                 params: dict[str, int], field: str) -> None:
+    job = running_job(live_controller)
+    r = httpx.get(f"{live_controller.url}{API}/jobs/{job}/{route}", params=params,
+                  headers={"Authorization": f"Bearer {live_controller.token(Role.VIEWER)}"})
+    assert r.status_code == 422 and [e["loc"] for e in r.json()["detail"]] == [["query", field]], r.text
+
+
+def test_unknown_job_or_node_is_404_naming_it(live_controller: LiveController) -> None:
+    lc = live_controller
+    heartbeat(lc, "n1", time.time(), {})
+    with viewer(lc) as c:
+        for call in (lambda: c.job_overview("job_nope"), lambda: c.job_heatmap("job_nope"),
+                     lambda: c.job_goodput("job_nope")):
+            with pytest.raises(ApiError) as err:
+                call()
+            assert err.value.status_code == 404 and "job_nope" in str(err.value.detail)
+        with pytest.raises(ApiError) as err:
+            c.node_history("n-nope")
+        assert err.value.status_code == 404 and "n-nope" in str(err.value.detail)
+        for params, field in (({"since_ts": -1}, "since_ts"), ({"max_points": 5}, "max_points")):
+            with pytest.raises(ApiError) as err:
+                c.node_history("n1", **params)
+            assert err.value.status_code == 422 and err.value.detail[0]["loc"] == ["query", field]
+
+
+# --------------------------------------------------------------------------------------------------
+# Aggregates written before migration 0006
+# --------------------------------------------------------------------------------------------------
+
+
+def test_overview_reads_aggregates_from_before_the_new_columns(db_url: str, tmp_path: Path) -> None:
+    """A database at 0005 with aggregates is upgraded; its steps show, their figures from the rank rows."""
+    migrate.upgrade(db_url, "0005_agent_token_node")
+    engine = make_engine(db_url)
+    t0 = time.time() - 100
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(Job.__table__).values(id="job_old", name="old", status="SUCCEEDED", spec={"name": "old"},
+                                                      created_at=datetime.now(UTC), restarts=0, stalled_restarts=0))
+            for step in (1, 2):
+                conn.execute(insert(JobStepStat.__table__).values(
+                    job_id="job_old", step=step, ts=t0 + step, ranks=3, loss_mean=1.5, step_time_p50_s=0.2,
+                    step_time_max_s=0.3, slowest_rank=2, collectives=0, payload_bytes=0, wire_bytes=7))
+                for rank in range(3):
+                    conn.execute(insert(RankStepStat.__table__).values(
+                        job_id="job_old", step=step, rank=rank, node_id="n1", ts=t0 + step, loss=1.5,
+                        tokens_per_s=10.0, step_time_s=0.1 * (rank + 1), collectives=0, payload_bytes=0, wire_bytes=0))
+    finally:
+        engine.dispose()
+    with LiveController(tmp_path / "c", database_url=db_url) as lc, viewer(lc) as c:  # upgrades to head
+        ov = c.job_overview("job_old")
+        assert ov.step == [1, 2] and ov.reporting == [3, 3] and ov.tokens_per_s == [30.0, 30.0]
+        assert ov.step_time_p50_s == pytest.approx([0.2, 0.2]) and ov.step_time_p90_s == pytest.approx([0.3, 0.3])
+        assert ov.slowest_rank == [2, 2] and ov.wire_bytes == [7, 7] and ov.final == [True, True]
+        hm = c.job_heatmap("job_old")
+        assert hm.z == [[pytest.approx(0.1)] * 2, [pytest.approx(0.2)] * 2, [pytest.approx(0.3)] * 2]
+
+
+@pytest.mark.parametrize("host", [
+    {}, {"system": [1, 2]}, {"system": {"cpu": 5, "disk": [{"percent": 10}], "load": {"1m": True}}},
+    {"nics": {"interfaces": [{"rx_bytes_per_s": 1e308}, {"rx_bytes_per_s": 1e308}, "eth0"]}},
+    {"gpus": {"devices": {"0": {"util_percent": 5}}}}, {"nics": "down", "gpus": None},
+    {"system": {"memory": {"percent": 10**400}}},
+])
+def test_host_extraction_never_fails_on_odd_input(host: dict[str, Any]) -> None:
+    """Whatever an agent sends, extraction gives numbers or None (a sum overflowing to inf is None)."""
+    out = extract(host)
+    assert set(out) == set(HOST_FIELDS)
+    assert all(v is None or isinstance(v, float) and math.isfinite(v) for v in out.values()), out
+    if "system" in host and isinstance(host["system"], dict) and "disk" in host["system"]:
+        assert out["disk_percent"] == 10.0  # a list of disks is read like a mapping of them

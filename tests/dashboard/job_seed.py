@@ -1,0 +1,154 @@
+"""A job with something to diagnose, fed to the REAL controller through its API (the job page's tests).
+
+:func:`seed_diagnosis` stores, in the order things happen in production: a 12-rank job (two nodes,
+``node-a`` ranks 0-5, ``node-b`` ranks 6-11) whose ranks report steps 0-29 with their breakdown and
+two kinds of collective (``all_reduce/grads`` at 32 bits per parameter, ``all_gather/weights`` at 4),
+rank 5 a straggler (0.5 s steps against 0.1 s); checkpoints at steps 10, 20 and 28; a ``hang_rank``
+fault on rank 7 fired at step 29. Then the job stops stepping: the controller's monitor detects the
+hang, asks both nodes' agents for py-spy stacks, which answer (rank 7 stopped in ``forward``, the
+others waiting in ``all_reduce``), and acts on the odd rank out. The checkpoint at step 28 is then
+reported corrupt, and the ranks, restarted from step 20, re-run steps 21-39; the monitor sees the
+restart. Only Ray is faked (:mod:`tests.live_controller`); every sample, stack and answer goes
+through the REST API with the token an agent or an admin has.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from controller.schemas import (
+    CheckpointSample,
+    CollectiveSample,
+    CommandResult,
+    JobStatus,
+    RankProcess,
+    Role,
+    StepSample,
+)
+from tests.live_controller import LiveController
+
+RANKS = 12
+NODES = {"node-a": tuple(range(6)), "node-b": tuple(range(6, 12))}
+SLOW = 5
+"""The straggler: 0.5 s steps, the others 0.1 s."""
+ODD = 7
+"""The rank that hangs (stopped by the fault); its stack differs from the others'."""
+FIRST_RUN = range(30)
+RERUN = range(21, 40)
+"""After the restart from the checkpoint at step 20."""
+CHECKPOINTS = (10, 20, 28)
+CORRUPT = 28
+ELEMENTS = 1_000_000
+"""Model elements each collective call communicates (per rank)."""
+
+WAITING = ('Thread 0x1 (active): "vigil-train"\n    all_reduce (torch/distributed/distributed_c10d.py:2800)\n'
+           "    all_reduce (trainer/comm.py:90)\n    step (trainer/optim/adamw.py:40)\n    train (trainer/loop.py:200)\n")
+STOPPED = ('Thread 0x1 (idle): "vigil-train"\n    forward (trainer/model.py:120)\n'
+           "    _call_impl (torch/nn/modules/module.py:1700)\n    train (trainer/loop.py:190)\n")
+
+
+@dataclass
+class Diagnosis:
+    job_id: str
+    incident_id: int | None
+    """The hang's incident."""
+    restart_step: int | None
+    """The step of the restart marker the overview places (the first step run after the restart)."""
+
+
+def _node(rank: int) -> str:
+    return next(n for n, ranks in NODES.items() if rank in ranks)
+
+
+def _step_samples(job_id: str, rank: int, step: int, ts: float) -> list[Any]:
+    slow = rank == SLOW
+    fwd = 0.45 if slow else 0.05
+    wait = 0.0 if slow else 0.008  # the others wait for the straggler inside the all-reduce
+    comm = 0.02 + wait
+    samples: list[Any] = [StepSample(
+        job_id=job_id, rank=rank, world_size=RANKS, step=step, ts=ts, loss=4.0 / (1 + 0.05 * step) + 0.001 * rank,
+        val_loss=(3.9 / (1 + 0.05 * step)) if step % 10 == 0 else None, tokens=512,
+        step_time_s=0.01 + fwd + 0.01 + comm, tokens_per_s=512 / (0.04 + fwd + wait), data_s=0.01, fwd_bwd_s=fwd,
+        optim_s=0.01, comm_s=comm, pid=1000 + rank)]
+    for seq, (op, tag, wire) in enumerate((("all_reduce", "grads", 4 * ELEMENTS),
+                                           ("all_gather", "weights", ELEMENTS // 2))):
+        samples.append(CollectiveSample(
+            job_id=job_id, rank=rank, step=step, seq=seq, op=op, tag=tag, payload_bytes=wire, wire_bytes=wire,
+            elements=ELEMENTS, duration_s=0.01 + (wait if seq == 0 else 0.0), ts=ts))
+    return samples
+
+
+def _post_steps(ctl: LiveController, job_id: str, steps: range, t0: float, dt: float,
+                nodes: dict[str, tuple[int, ...]] = NODES) -> None:
+    """Each node's agent posts its ranks' ``steps``, the first ending at ``t0 + dt``, then every ``dt``."""
+    for node, ranks in nodes.items():
+        samples = [s for i, step in enumerate(steps) for r in ranks
+                   for s in _step_samples(job_id, r, step, t0 + dt * (i + 1))]
+        procs = [RankProcess(job_id=job_id, rank=r, pid=1000 + r) for r in ranks]
+        ctl.heartbeat(node, procs, samples)
+
+
+def _checkpoint(job_id: str, step: int, ts: float, *, valid: bool = True, message: str = "") -> CheckpointSample:
+    return CheckpointSample(job_id=job_id, rank=0, step=step, ts=ts, path=f"/shared/ckpt/{job_id}/step-{step}",
+                            valid=valid, world_size=RANKS, files=RANKS + 1, bytes=48_000_000, manifest_sha256="ab" * 32,
+                            message=message)
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(t - time.time(), 0.0))
+
+
+DT = 0.05
+"""Seconds between steps (real time: the whole story takes a few seconds)."""
+THRESHOLDS = {"hang_floor_s": 1.0, "hang_k": 5.0, "stack_wait_s": 5.0, "restart_gap_s": 0.5,
+              "straggler_ratio": 100.0}
+"""A hang after 1 s of silence (real time stays short); the straggler detector off, so that the hang is
+the incident (rank 5 is left for the page to find)."""
+
+
+def seed_diagnosis(ctl: LiveController, name: str = "diagnose-me") -> Diagnosis:
+    job = ctl.submit_job(name, steps=100, optimizer={"kind": "adamw"},
+                         scaling={"min_workers": RANKS, "max_workers": RANKS}, checkpoint={"interval_steps": 10},
+                         recovery={"policy": "evict_restart", "max_restarts": 3, "thresholds": THRESHOLDS})
+    job_id = job.id
+    ctl.set_job_status(job_id, JobStatus.RUNNING)
+    aggregate = ctl.app.state.telemetry.flush  # the aggregator's pass (its background loop is off here)
+    # The first run: steps 0-29, reported once they happened.
+    t0 = time.time()
+    _sleep_until(t0 + DT * len(FIRST_RUN))
+    _post_steps(ctl, job_id, FIRST_RUN, t0, DT)
+    ctl.post_batch("node-a", [_checkpoint(job_id, s, t0 + DT * (s + 1) + 0.01) for s in CHECKPOINTS])
+    aggregate()
+    # The fault fires at step 29 (rank 7 stopped); the job makes no progress: a hang, diagnosed from
+    # both nodes' py-spy stacks.
+    ctl.inject_fault(job_id, "hang_rank", rank=ODD, step=29)
+    ctl.monitor_pass()
+    _sleep_until(t0 + DT * len(FIRST_RUN) + THRESHOLDS["hang_floor_s"] + 0.3)
+    ctl.monitor_pass()
+    with ctl.client(Role.AGENT) as agent:
+        for node, ranks in NODES.items():
+            for cmd in ctl.pending_commands(node):
+                if cmd.kind.value != "pyspy_dump":
+                    continue
+                stacks = {str(r): (STOPPED if r == ODD else WAITING) for r in ranks}
+                states = {str(r): ("stopped" if r == ODD else "running") for r in ranks}
+                agent.post_command_result(node, cmd.id, CommandResult(ok=True, output={"stacks": stacks,
+                                                                                       "states": states}))
+    ctl.monitor_pass()  # diagnosed: the odd rank out is killed, its node evicted
+    # The restore finds the newest checkpoint corrupt and goes back to step 20; the ranks (those of the
+    # evicted node now on node-c) re-run steps 21-39.
+    acted = time.time()
+    ctl.post_batch("node-a", [_checkpoint(job_id, CORRUPT, acted + 0.05, valid=False,
+                                          message="sha256 mismatch in model.pt")])
+    _sleep_until(acted + 0.6 + DT * len(RERUN))
+    _post_steps(ctl, job_id, RERUN, acted + 0.6, DT, {"node-a": NODES["node-a"], "node-c": NODES["node-b"]})
+    aggregate()
+    ctl.monitor_pass()  # the job resumed: the incident is RECOVERED
+    with ctl.client(Role.ADMIN) as admin:
+        incidents = [i for i in admin.job_incidents(job_id).data if i.kind.value == "hang"]
+        overview = admin.job_overview(job_id)
+    restarts = [m.step for m in overview.markers if m.kind == "restart"]
+    return Diagnosis(job_id=job_id, incident_id=incidents[0].id if incidents else None,
+                     restart_step=restarts[0] if restarts else None)
