@@ -17,29 +17,38 @@ Two ways to run it:
 
 The pages live in ``dashboard/pages`` (one module per page, global callbacks). This module must
 not import torch, ray or the trainer; a test checks it.
+
+The app reads the controller with its own token, read-only. A person may sign in (``/signin``) with
+their own token, which the server keeps (:mod:`dashboard.auth`): the navigation bar shows
+"read-only" or "signed in as <role>", and the actions (:mod:`dashboard.actions`) are for a signed-in
+user or admin only. Styles: Bootstrap (``assets/bootstrap.min.css``, served by the app itself, since
+the browser may have no internet) and AG Grid's own theme; cell renderers in ``assets/vigil_grid.js``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import dash
+import dash_bootstrap_components as dbc
+from dash import Input, Output, dcc, html
 from dash import _callback as dash_callback
-from dash import dcc, html
 
 from controller.settings import ENV_TOKEN
-from dashboard.context import CONFIG_KEY, REFRESH_MS, DashboardConfig
+from dashboard import actions, auth
+from dashboard.context import CONFIG_KEY, FETCH_ERRORS, REFRESH_MS, DashboardConfig, open_client
 
 log = logging.getLogger(__name__)
 
 PAGES_FOLDER = Path(__file__).resolve().parent / "pages"
 MOUNT_PREFIX = "/dashboard/"
 """Where the controller mounts the dashboard."""
-NAV_LINKS = (("Jobs", ""), ("Nodes", "nodes"), ("Events", "events"))
+NAV_LINKS = (("Jobs", ""), ("Nodes", "nodes"), ("Compare", "compare"), ("Events", "events"))
 
 
 def _normalise_prefix(prefix: str) -> str:
@@ -67,19 +76,59 @@ def _claim_global_callbacks(app: dash.Dash) -> None:
 
 
 def _shell(prefix: str) -> html.Div:
-    """Navigation bar around Dash's page container."""
+    """Navigation bar (pages, sign-in badge, sign in / sign out) around Dash's page container.
+
+    A function of the request (Dash calls it for every page load): the badge starts right for the
+    browser's session, and :func:`_register_auth_callbacks` keeps it right afterwards.
+    """
+    text, color, signin_style, signout_style = auth.header_state(auth.current_identity())
+    links = [
+        dcc.Link(label, href=prefix + path, id=f"app-nav-{label.lower()}", className="nav-link")
+        for label, path in NAV_LINKS
+    ]
     nav = html.Nav(
-        [html.Span("Vigil", style={"fontWeight": "bold", "marginRight": "24px"})]
-        + [
-            dcc.Link(label, href=prefix + path, id=f"app-nav-{label.lower()}", style={"marginRight": "16px"})
-            for label, path in NAV_LINKS
+        [
+            html.Span("Vigil", className="navbar-brand fw-bold"),
+            html.Div(links, className="navbar-nav me-auto flex-row gap-2 vigil-nav"),
+            html.Div(
+                [
+                    dbc.Badge(text, id="app-auth-badge", color=color, className="me-2"),
+                    dcc.Link("Sign in", href=prefix + "signin", id="app-nav-signin", className="nav-link",
+                             style=signin_style),
+                    dbc.Button("Sign out", id="app-signout", size="sm", color="outline-secondary", n_clicks=0,
+                               style=signout_style),
+                ],
+                className="d-flex align-items-center",
+            ),
         ],
-        style={"padding": "8px 16px", "borderBottom": "1px solid #ddd", "marginBottom": "8px"},
+        className="navbar navbar-light bg-light border-bottom px-3 mb-2",
     )
-    return html.Div(
-        [nav, html.Div(dash.page_container, style={"padding": "0 16px"})],
-        style={"fontFamily": "system-ui, sans-serif"},
+    return html.Div([nav, html.Div(dash.page_container, className="px-3")])
+
+
+def _register_auth_callbacks(app: dash.Dash) -> None:
+    """The badge follows the session: re-checked against the controller on every navigation (a token
+    revoked since sign-in signs the session out), cleared by "Sign out"."""
+    outputs = [Output(i, p) for i, p in auth.HEADER_OUTPUTS]
+
+    @app.callback(*outputs, Input("_pages_location", "pathname"))
+    def refresh_auth(_pathname: str | None) -> tuple[object, ...]:
+        if auth.current_identity() is not None:
+            # With the session's token: a 401 (revoked, expired) signs the session out. Any other
+            # failure (the controller is away) keeps it; the pages say what is wrong.
+            with contextlib.suppress(*FETCH_ERRORS), open_client() as client:
+                client.whoami()
+        return auth.header_state(auth.current_identity())
+
+    @app.callback(
+        *[Output(i, p, allow_duplicate=True) for i, p in auth.HEADER_OUTPUTS],
+        Input("app-signout", "n_clicks"),
+        prevent_initial_call=True,
     )
+    def sign_out(n_clicks: int | None) -> tuple[object, ...]:
+        if n_clicks:
+            auth.sign_out()
+        return auth.header_state(auth.current_identity())
 
 
 def create_dash_app(
@@ -95,7 +144,9 @@ def create_dash_app(
     ``"/dashboard/"`` when the controller mounts ``app.server`` at ``/dashboard`` (the default),
     ``"/"`` when it runs standalone. Dash's server-side routes always live at ``/`` of the WSGI
     app, since the mount strips its own prefix. ``token`` is sent as a bearer token with every
-    API call; ``refresh_ms`` is how often the pages poll.
+    API call of a browser that is not signed in (it never acts: see :mod:`dashboard.auth`);
+    ``refresh_ms`` is how often the pages poll. The session cookie is signed with
+    ``$VIGIL_DASHBOARD_SECRET``, else a random key of this process.
     """
     if not api_base_url:
         raise ValueError("api_base_url is required")
@@ -116,7 +167,10 @@ def create_dash_app(
     app.server.config[CONFIG_KEY] = DashboardConfig(
         api_base_url=api_base_url.rstrip("/"), token=token, prefix=prefix, refresh_ms=refresh_ms
     )
-    app.layout = _shell(prefix)
+    auth.configure_server(app.server, cookie_path=prefix)
+    _register_auth_callbacks(app)
+    actions.register_callbacks(app)
+    app.layout = lambda: _shell(prefix)
     return app
 
 

@@ -6,7 +6,9 @@ mounting one while another runs standalone). So each app stores a :class:`Dashbo
 Flask server's config, and callbacks read the one of the app serving the current request.
 
 Callbacks run on the server's worker threads; each opens its own :class:`VigilClient` (an httpx
-client is cheap to create, and one shared across threads would need locking for no gain).
+client is cheap to create, and one shared across threads would need locking for no gain). The
+client carries the token of the person signed in to this browser session (:mod:`dashboard.auth`),
+else the app's own (read-only) token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import flask
 import httpx
 
 from controller.client import ApiError, VigilClient
+from dashboard import auth
 
 CONFIG_KEY = "VIGIL_DASHBOARD"
 REFRESH_MS = 2000
@@ -52,11 +55,23 @@ def current_config() -> DashboardConfig:
 
 
 @contextmanager
-def open_client() -> Iterator[VigilClient]:
-    """A fresh client for the controller of the current app, closed on exit."""
+def open_client(token: str | None = None) -> Iterator[VigilClient]:
+    """A fresh client for the controller of the current app, closed on exit.
+
+    Its token: ``token`` when given (the sign-in page checking a pasted one), else the signed-in
+    session's, else the app's own. A 401 to the session's token (revoked, expired since sign-in)
+    signs the session out, so the next call falls back to the app's token.
+    """
     cfg = current_config()
-    with VigilClient(cfg.api_base_url, token=cfg.token, timeout=CLIENT_TIMEOUT_S) as client:
-        yield client
+    session = auth.session_token() if token is None else None
+    chosen = token if token is not None else (session or cfg.token)
+    with VigilClient(cfg.api_base_url, token=chosen, timeout=CLIENT_TIMEOUT_S) as client:
+        try:
+            yield client
+        except ApiError as exc:
+            if session is not None:
+                auth.forget_if_rejected(exc.status_code)
+            raise
 
 
 def describe_error(exc: Exception) -> str:

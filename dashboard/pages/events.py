@@ -13,7 +13,7 @@ from dash import Input, Output, callback, dcc, html
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.tables import error_banner, events_table
 
-dash.register_page(__name__, path="/events", name="Events", title="Vigil - events", order=3)
+dash.register_page(__name__, path="/events", name="Events", title="Vigil - events", order=4)
 
 EVENTS_LIMIT = 200
 
