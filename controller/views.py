@@ -496,9 +496,20 @@ def _rerun_restarts(session: Session, job_id: str, st: _Steps, covered: set[int]
     for step, (start, _, reruns) in _dup_attempts(session, job_id, st).items():
         if reruns:
             starts[step] = start
-    return [JobMarker(kind="restart", step=step, ts=t, label=f"steps from {step} on re-run after a restart")
-            for step, t in sorted(starts.items())
-            if step - 1 not in starts and step not in covered]
+    return [JobMarker(kind="restart", step=step, ts=starts[step], label=f"steps from {step} on re-run after a restart")
+            for step in uncovered_runs(starts, covered)]
+
+
+def uncovered_runs(rerun: Iterable[int], covered: set[int]) -> list[int]:
+    """The first step of each run of consecutive re-run steps that no recorded restart falls in: a recorded
+    restart is placed by its time, which can land a step or so into the run it caused (or just before)."""
+    runs: list[list[int]] = []
+    for step in sorted(rerun):
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    return [run[0] for run in runs if not any(run[0] - 1 <= c <= run[-1] for c in covered)]
 
 
 def _evictions(session: Session, job: Job, incident_nodes: set[str], step_at: Any) -> list[JobMarker]:

@@ -660,3 +660,15 @@ def test_host_extraction_never_fails_on_odd_input(host: dict[str, Any]) -> None:
     assert all(v is None or isinstance(v, float) and math.isfinite(v) for v in out.values()), out
     if "system" in host and isinstance(host["system"], dict) and "disk" in host["system"]:
         assert out["disk_percent"] == 10.0  # a list of disks is read like a mapping of them
+
+
+def test_a_recorded_restart_inside_its_rerun_steps_is_one_restart_not_two() -> None:
+    """The monitor's restart is placed by its time (recovered_at), which can fall one step into the
+    re-run steps it caused; the re-run itself must then add no second restart marker."""
+    from controller.views import uncovered_runs
+
+    assert uncovered_runs({21, 22, 23}, covered={22}) == []
+    assert uncovered_runs({21, 22, 23}, covered={20}) == []  # placed on the step just before
+    assert uncovered_runs({21, 22, 23}, covered=set()) == [21]
+    assert uncovered_runs({21, 22, 23, 40, 41}, covered={22}) == [40]
+    assert uncovered_runs({21, 22, 23}, covered={30}) == [21]
