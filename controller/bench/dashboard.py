@@ -1,12 +1,14 @@
 """What one refresh of a job's dashboard page costs, measured in a real browser against a real controller.
 
-``vigil bench dashboard [--json] [--ranks 64,1024,10000] [--steps 200] [--collectives 1] [--ticks 3]``
+``vigil bench dashboard [--json] [--ranks 64,1024,10000] [--steps 200] [--collectives 1] [--ticks 3]
+[--tab training|ranks|...]``
 
 Per rank count: a real controller (``vigil controller`` as a subprocess, SQLite, the dashboard mounted
 at ``/dashboard`` as in production) is fed a job of ``--ranks`` ranks x ``--steps`` steps through the
 real ingest endpoint (each rank: one step sample and ``--collectives`` collective calls per step, one
 straggler rank; the bodies of ``vigil bench ingest``), its aggregates are let to catch up, then
-Debian's Chromium opens the job page. Measured from the browser's own Resource Timing entries of
+Debian's Chromium opens the job page (on ``--tab``; the browser's draw time and the check that the new
+step was drawn are read on the Training tab only). Measured from the browser's own Resource Timing entries of
 Dash's callback requests (``_dash-update-component``):
 
 * the first load of the page (``first_load_bytes``, ``first_load_server_s``): the whole history;
@@ -14,14 +16,16 @@ Dash's callback requests (``_dash-update-component``):
   does), and the refresh the page's timer fires next is measured: ``bytes_per_refresh`` (bytes
   received, the median over ticks), ``server_s_per_refresh`` (the summed time from each request's
   start to its first response byte: the dashboard's callbacks and the controller reads they make),
-  ``decoded_bytes_per_refresh`` (the same, uncompressed), ``browser_draw_s`` (from the last response of the tick to the last ``plotly_afterplot`` of the
-  page's graphs: the browser's own work).
+  ``decoded_bytes_per_refresh`` (the same, uncompressed), ``browser_draw_s`` (from the last response of
+  the tick to the first animation frame in which the loss graph shows the new step: Dash applying the
+  answer and Plotly redrawing, the browser's own work).
 
-JSON (``--json``): a list with one object per rank count: ``ranks``, ``steps``, ``server_s_per_refresh``,
+JSON (``--json``): a list with one object per rank count: ``tab``, ``ranks``, ``steps``, ``server_s_per_refresh``,
 ``bytes_per_refresh``, ``browser_draw_s``, plus ``first_load_bytes``, ``first_load_server_s``,
 ``requests_per_refresh``, ``page_errors`` (error banners on the page after the ticks, summed: a refresh that
 failed, e.g. the controller did not answer within the dashboard's timeout, is cheap and must not pass for a
-fast one), ``samples``, ``ingest_s``, ``aggregate_s``, ``ticks``.
+fast one), ``stale_refreshes`` (ticks after which the loss curve's last step was not the step just
+reported: a refresh that drew nothing new must not pass for a cheap one), ``samples``, ``ingest_s``, ``aggregate_s``, ``ticks``.
 
 Needs: ``apt-get install -y chromium chromium-driver`` and selenium (``make browser``; the test extras).
 """
@@ -51,18 +55,27 @@ log = logging.getLogger(__name__)
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CALLBACK_PATH = "_dash-update-component"
+TABS = ("training", "ranks", "breakdown", "communication", "incidents", "checkpoints", "goodput", "events")
+"""The job page's tabs (``job-detail-tab-<name>``)."""
 REFRESH_MS = 2000
 """The mounted dashboard's refresh period (``dashboard.context.REFRESH_MS``)."""
 
-# The page's graphs report each finished draw; the bench reads the newest time.
-_HOOK_JS = """
-window.__vigilDraws = window.__vigilDraws || [];
-document.querySelectorAll('.js-plotly-plot').forEach(function (gd) {
-  if (gd.__vigilHooked) { return; }
-  gd.__vigilHooked = true;
-  gd.on('plotly_afterplot', function () { window.__vigilDraws.push(performance.now()); });
-});
-return document.querySelectorAll('.js-plotly-plot').length;
+# Watches, frame by frame, for the loss graph to show step ``arguments[0]``; records when (the frame after
+# Plotly applied and rendered the refresh: JavaScript runs one thing at a time).
+_WATCH_JS = """
+var want = arguments[0];
+window.__vigilSeen = null;
+(function poll() {
+  var gd = document.querySelector('#job-detail-loss .js-plotly-plot');
+  var x = gd && gd.data && gd.data.length && gd.data[0].x;
+  if (x && x.length && x[x.length - 1] === want) { window.__vigilSeen = performance.now(); return; }
+  requestAnimationFrame(poll);
+})();
+"""
+_LAST_X_JS = """
+var gd = document.querySelector('#job-detail-loss .js-plotly-plot');
+if (!gd || !gd.data || !gd.data.length || !gd.data[0].x || !gd.data[0].x.length) { return null; }
+return gd.data[0].x[gd.data[0].x.length - 1];
 """
 _ENTRIES_JS = """
 var path = arguments[0];
@@ -76,6 +89,7 @@ return performance.getEntriesByType('resource')
 
 @dataclass
 class Row:
+    tab: str
     ranks: int
     steps: int
     server_s_per_refresh: float
@@ -86,6 +100,7 @@ class Row:
     first_load_server_s: float
     requests_per_refresh: int
     page_errors: int
+    stale_refreshes: int
     samples: int
     ingest_s: float
     aggregate_s: float
@@ -186,7 +201,7 @@ def _tick_entries(entries: list[dict[str, float]], since_ms: float) -> list[dict
     return [e for e in later if e["start"] < first + 0.75 * REFRESH_MS]
 
 
-def measure(ranks: int, steps: int, collectives: int, ticks: int) -> Row:
+def measure(ranks: int, steps: int, collectives: int, ticks: int, tab: str = "training") -> Row:
     home = Path(tempfile.mkdtemp(prefix="vigil-bench-dashboard-"))
     try:
         with _database("sqlite", home) as url:
@@ -212,14 +227,20 @@ def measure(ranks: int, steps: int, collectives: int, ticks: int) -> Row:
                     driver.get(f"{base}/dashboard/jobs/{job_id}")
                     driver.execute_script("performance.setResourceTimingBufferSize(100000);")
                     first = _settled(driver)
+                    if tab != "training":  # the page opens on Training; another tab: its own first load
+                        driver.execute_script("performance.clearResourceTimings();")
+                        driver.find_element("id", f"job-detail-tab-{tab}").click()
+                        first = _settled(driver)
                     first_bytes = int(sum(e["bytes"] for e in first))
                     first_server = sum(max(0.0, e["first"] - e["req"]) for e in first) / 1e3
-                    driver.execute_script(_HOOK_JS)
                     per_tick: list[tuple[int, float, float, int, int]] = []
                     errors = 0
+                    stale = 0
                     for tick in range(ticks):
                         _post_all(base, agent, [_one_more_step(job_id, ranks, steps + tick, tick)], 1)
-                        driver.execute_script("performance.clearResourceTimings(); window.__vigilDraws = [];")
+                        driver.execute_script("performance.clearResourceTimings();")
+                        if tab == "training":
+                            driver.execute_script(_WATCH_JS, steps + tick)
                         mark = float(driver.execute_script("return performance.now();"))
                         deadline = time.monotonic() + 3 * REFRESH_MS / 1e3 + 30
                         got: list[dict[str, float]] = []
@@ -232,23 +253,30 @@ def measure(ranks: int, steps: int, collectives: int, ticks: int) -> Row:
                                 break
                         if not got:
                             raise TimeoutError("no refresh seen")
-                        driver.execute_script(_HOOK_JS)  # graphs drawn for the first time by this tick
-                        last_end = max(e["end"] for e in got)
-                        draws = [d for d in driver.execute_script("return window.__vigilDraws;") if d >= last_end]
-                        draw_s = (max(draws) - last_end) / 1e3 if draws else 0.0
+                        seen = driver.execute_script("return window.__vigilSeen;")
+                        log.debug("tick %d: seen %s, requests %s", tick, seen, got)
+                        # From the answer that brought the step (the last one to end before it showed; a
+                        # chained callback may answer after the draw) to the frame that showed it.
+                        seen = seen if tab == "training" else None
+                        before = [e["end"] for e in got if seen is not None and e["end"] <= float(seen)]
+                        draw_s = (float(seen) - max(before)) / 1e3 if before else 0.0
+                        shown = driver.execute_script(_LAST_X_JS) if tab == "training" else steps + tick
+                        if shown != steps + tick:
+                            stale += 1
                         errors += int(driver.execute_script(
                             "return document.querySelectorAll('.vigil-error').length;"))
                         per_tick.append((int(sum(e["bytes"] for e in got)),
                                          sum(max(0.0, e["first"] - e["req"]) for e in got) / 1e3, draw_s, len(got),
                                          int(sum(e["decoded"] for e in got))))
         return Row(
-            ranks=ranks, steps=steps,
+            tab=tab, ranks=ranks, steps=steps,
             server_s_per_refresh=round(statistics.median(t[1] for t in per_tick), 3),
             bytes_per_refresh=int(statistics.median(t[0] for t in per_tick)),
             browser_draw_s=round(statistics.median(t[2] for t in per_tick), 3),
             decoded_bytes_per_refresh=int(statistics.median(t[4] for t in per_tick)),
             first_load_bytes=first_bytes, first_load_server_s=round(first_server, 3),
             requests_per_refresh=int(statistics.median(t[3] for t in per_tick)), page_errors=errors,
+            stale_refreshes=stale,
             samples=samples, ingest_s=round(ingest_s, 1), aggregate_s=round(aggregate_s, 1), ticks=ticks,
         )
     finally:
@@ -262,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--collectives", type=int, default=1, help="collective calls per rank and step")
     ap.add_argument("--ticks", type=int, default=3, help="live refreshes measured per rank count")
+    ap.add_argument("--tab", default="training", choices=TABS,
+                    help="the job page's tab open while measuring (default: training, the one it opens on)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "alembic"):
@@ -269,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.ranks.split(",") if x.strip()]
     if not counts or min(counts) < 1 or args.steps < 1 or args.ticks < 1 or args.collectives < 0:
         ap.error("--ranks, --steps and --ticks must be positive, --collectives >= 0")
-    rows = [measure(n, args.steps, args.collectives, args.ticks) for n in counts]
+    rows = [measure(n, args.steps, args.collectives, args.ticks, args.tab) for n in counts]
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     else:
