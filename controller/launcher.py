@@ -150,6 +150,8 @@ class RayNode:
     draining: bool = False
     is_head: bool = False
     """The Ray head: GCS, job drivers and Ray Train controllers live there (never evicted)."""
+    cpus: float | None = None
+    """The node's CPUs in Ray (None: not known)."""
 
 
 class ClusterControl(Protocol):
@@ -185,7 +187,7 @@ class RayClusterControl:
             raise LaunchError(f"could not list Ray nodes at {self.gcs_address}: {exc}") from exc
         return [
             RayNode(node_id.hex(), info.node_name, "ALIVE" if info.state == GcsNodeInfo.ALIVE else "DEAD",
-                    is_head=bool(info.is_head_node))
+                    is_head=bool(info.is_head_node), cpus=float(info.resources_total.get("CPU", 0.0)))
             for node_id, info in infos.items()
         ]
 

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controller.jobs import record_event, transition
@@ -45,6 +46,23 @@ def is_head_node(cluster: ClusterControl | None, node_id: str) -> bool:
         return any(n.is_head for n in cluster.nodes() if n.name == node_id and n.state == "ALIVE")
     except LaunchError:
         return False
+
+
+def leaves_room(s: Session, cluster: ClusterControl | None, spec: JobCreate, node_id: str) -> bool:
+    """Whether the job's workers (``min_workers`` x ``cpus_per_worker`` CPUs) still fit on the live Ray nodes
+    other than ``node_id`` and those Vigil has evicted or lost. Unknown (no cluster, Ray unreachable, CPUs
+    not reported) counts as yes: the check only keeps Vigil from evicting a job out of every place to run."""
+    if cluster is None:
+        return True
+    try:
+        nodes = cluster.nodes()
+    except LaunchError:
+        return True
+    if not any(n.cpus for n in nodes):
+        return True
+    out = set(s.scalars(select(Node.id).where(Node.state != NodeState.ALIVE.value)))
+    free = sum(n.cpus or 0.0 for n in nodes if n.state == "ALIVE" and n.name != node_id and n.name not in out)
+    return free >= spec.scaling.min_workers * spec.scaling.cpus_per_worker
 
 
 def evict_node(s: Session, cluster: ClusterControl | None, node_id: str, reason: str, deadline_s: float) -> str:

@@ -27,11 +27,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.background import BackgroundLoop
 from controller.db import session_scope
+from controller.jobs import record_event
 from controller.launcher import ClusterControl, JobLauncher
 from controller.models import Incident, Job
 from controller.recovery import actions, detectors, faults, incidents, policy, reads, stragglers
@@ -131,6 +133,14 @@ class Monitor(BackgroundLoop):
     def _respond(self, s: Session, job: Job | None, spec: JobCreate | None, finding: Finding) -> Incident | None:
         history = self._history(s, job) if job is not None else policy.History()
         decision = policy.decide(finding, spec.recovery if spec else None, history)
+        if (decision.evict is not None and job is not None and spec is not None
+                and not actions.leaves_room(s, self.cluster, spec, decision.evict)):
+            # Evicting the node would leave the job too few CPUs: it would wait for a place forever.
+            record_event(s, "eviction_refused", f"{decision.evict} not evicted: job {job.id}'s "
+                         f"{spec.scaling.min_workers} worker(s) would not fit on the other nodes",
+                         job_id=job.id, node_id=decision.evict)
+            history = replace(history, no_room=history.no_room | {decision.evict})
+            decision = policy.decide(finding, spec.recovery, history)
         deadline = spec.recovery.thresholds.drain_deadline_s if spec else 0.0
         return actions.carry_out(s, decision, finding, job, cluster=self.cluster, launcher=self.launcher,
                                  deadline_s=deadline, clock=self.clock)

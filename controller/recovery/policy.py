@@ -64,6 +64,8 @@ class History:
     """Restarts in a row after which the job made no progress."""
     head_nodes: frozenset[str] = frozenset()
     """Nodes known to be the Ray head (never evicted)."""
+    no_room: frozenset[str] = frozenset()
+    """Nodes the job cannot do without: evicting one would leave too few CPUs for its workers."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ def _hang(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
         return Decision(Action.OBSERVE, "observe: stacks collected, no action")
     victims = list(f.suspects)
     if f.node_id and policy == RecoveryPolicy.EVICT_RESTART:
+        if f.node_id in history.no_room:
+            return Decision(Action.RESTART, f"killed hung rank(s) {victims}, {f.node_id} not evicted: the job's workers "
+                            "would not fit on the other nodes; Ray Train restarts the group", kill=f.suspects)
         if f.node_id in history.head_nodes:
             return Decision(Action.RESTART, f"killed hung rank(s) {victims}, {f.node_id} is the Ray head: not evicted; "
                             "Ray Train restarts the group", kill=f.suspects)
@@ -151,6 +156,10 @@ def _hang(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
 def _slow_node(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
     if policy != RecoveryPolicy.EVICT_RESTART or not f.node_id:
         return Decision(Action.OBSERVE)
+    if f.node_id in history.no_room:
+        # Evicting it would leave the job nowhere to run: the finding stays on record, the job runs on.
+        return Decision(Action.CLOSE, f"not evicted: the job's workers would not fit without {f.node_id}; the job "
+                        "runs on there")
     if f.node_id in history.head_nodes:
         # A restart would land on the same slow node: the finding stays on record, the job runs on.
         return Decision(Action.CLOSE,
@@ -168,7 +177,7 @@ def _slow_node(f: Finding, policy: RecoveryPolicy, history: History) -> Decision
 
 def _manual(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
     reason = f.evidence.get("reason", "manual")
-    evict = f.node_id if f.node_id and f.node_id not in history.head_nodes else None
+    evict = f.node_id if f.node_id and f.node_id not in history.head_nodes | history.no_room else None
     why = f"manual recovery of {f.job_id}: {reason}"
     if policy == RecoveryPolicy.OBSERVE:
         # The user's restart is carried out, but the incident is not tracked as Vigil's own recovery.

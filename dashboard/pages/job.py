@@ -84,6 +84,9 @@ RANK_WINDOW = 50
 HEATMAP_RANKS = 128
 HEATMAP_STEPS = 200
 """The heatmap's bins at most (the controller bins wider jobs): ~25k cells, ~200 kB."""
+HEATMAP_BIG_JOB = 2048
+"""Above this many ranks the heatmap (whose cost grows with ranks x steps: ~1.2 s at 10,000 x 200 here)
+is redrawn on every ``SLOW_REFRESH_EVERY``-th tick only, and when the tab is opened."""
 SLOW_REFRESH_EVERY = 5
 """Without new steps, the open tab is still refreshed every this many ticks (incidents, goodput move)."""
 
@@ -294,8 +297,12 @@ def _window_start(cursor: Cursor) -> int | None:
 
 def _ranks_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | None) -> list[Any]:
     hot = cursor.stragglers
-    heat = figures.binned_heatmap_figure(
-        client.job_heatmap(job_id, max_ranks=HEATMAP_RANKS, max_steps=HEATMAP_STEPS), hot)
+    ticking = dash.ctx.triggered_id == "job-detail-cursor"
+    if ticking and cursor.ranks > HEATMAP_BIG_JOB and cursor.tick % SLOW_REFRESH_EVERY:
+        heat = dash.no_update
+    else:
+        heat = figures.binned_heatmap_figure(
+            client.job_heatmap(job_id, max_ranks=HEATMAP_RANKS, max_steps=HEATMAP_STEPS), hot)
     since = _window_start(cursor)
     if 0 < cursor.ranks <= figures.LINES_MAX_RANKS:
         steps = client.job_steps(job_id, since_step=since, max_points=WINDOW_STEPS,

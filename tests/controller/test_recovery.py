@@ -31,13 +31,16 @@ API = "/api/v1"
 class FakeCluster:
     drained: list[tuple[str, float]] = field(default_factory=list)
     head: str = "vigil-node-0"
+    cpus: dict[str, float] | None = None
+    """Each node's CPUs in Ray (None: not reported, as an old Ray would)."""
 
     def drain_node(self, node_name: str, deadline_s: float, reason: str) -> bool:
         self.drained.append((node_name, deadline_s))
         return True
 
     def nodes(self) -> list[RayNode]:
-        return [RayNode(f"id{i}", f"vigil-node-{i}", "ALIVE", is_head=f"vigil-node-{i}" == self.head) for i in range(3)]
+        return [RayNode(f"id{i}", f"vigil-node-{i}", "ALIVE", is_head=f"vigil-node-{i}" == self.head,
+                        cpus=None if self.cpus is None else self.cpus.get(f"vigil-node-{i}", 0.0)) for i in range(3)]
 
 
 class Clock:
@@ -417,6 +420,52 @@ def test_straggler_on_the_ray_head_is_recorded_but_not_evicted(env: Env) -> None
     assert "Ray head" in inc[0]["action"] and env.cluster.drained == []
     events = [e for e in env.client.get(f"{API}/events").json()["data"] if e["kind"] == "eviction_refused"]
     assert [e["node_id"] for e in events] == ["vigil-node-2"]
+
+
+def test_a_node_the_job_cannot_do_without_is_not_evicted(env: Env) -> None:
+    """Two 1-CPU workers on two 1-CPU nodes (the head has none): evicting either leaves the job nowhere to
+    run, so a straggler is recorded and the job runs on; a hang restarts the ranks without evicting."""
+    env.cluster.cpus = {"vigil-node-0": 0.0, "vigil-node-1": 1.0, "vigil-node-2": 1.0}
+    env.steps(1, 20)
+    env.steps(21, 32, compute={1: 0.15})
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["node_id"], i["status"]) for i in inc] == [
+        ("straggler", 1, "vigil-node-2", "CLOSED")]
+    assert "would not fit" in inc[0]["action"] and env.cluster.drained == []
+    refused = [e for e in env.client.get(f"{API}/events").json()["data"] if e["kind"] == "eviction_refused"]
+    assert [e["node_id"] for e in refused] == ["vigil-node-2"] and "would not fit" in refused[0]["message"]
+
+
+def test_a_straggler_node_is_evicted_when_the_others_have_room(env: Env) -> None:
+    env.cluster.cpus = {"vigil-node-0": 1.0, "vigil-node-1": 1.0, "vigil-node-2": 1.0}
+    env.steps(1, 20)
+    env.steps(21, 32, compute={1: 0.15})
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["node_id"], i["status"]) for i in inc] == [("straggler", "vigil-node-2", "ACTING")]
+    assert [d[0] for d in env.cluster.drained] == ["vigil-node-2"]
+
+
+def test_a_hang_on_a_node_the_job_needs_restarts_without_eviction(env: Env) -> None:
+    env.cluster.cpus = {"vigil-node-1": 1.0, "vigil-node-2": 1.0}
+    env.steps(1, 20)
+    env.monitor.step()
+    env.clock.now += 16
+    env.heartbeats()
+    env.monitor.step()
+    dumps = {n: env.commands(n) for n in ("vigil-node-1", "vigil-node-2")}
+    env.answer("vigil-node-1", dumps["vigil-node-1"][0]["id"], output={"stacks": {"0": "Thread 1 (idle): \"a\"\n    "
+                                                                                "all_reduce (comm.py:1)\n"}})
+    env.answer("vigil-node-2", dumps["vigil-node-2"][0]["id"],
+               output={"stacks": {"1": "Thread 1 (idle): \"a\"\n    forward (model.py:1)\n"},
+                       "states": {"1": "stopped"}})
+    env.monitor.step()
+    inc = env.incidents()[0]
+    assert (inc["rank"], inc["status"]) == (1, "ACTING") and "not evicted" in inc["action"]
+    assert env.cluster.drained == []
+    assert [c["args"]["pid"] for c in env.commands("vigil-node-2") if c["kind"] == "kill_pid"] == [1001]
+    assert {n["id"]: n["state"] for n in env.client.get(f"{API}/nodes").json()["data"]}["vigil-node-2"] == "ALIVE"
 
 
 @pytest.mark.parametrize(
