@@ -91,6 +91,7 @@ from controller.models import (
     Checkpoint,
     CollectiveMetric,
     Event,
+    Fault,
     Incident,
     Job,
     JobStepStat,
@@ -468,6 +469,11 @@ def job_markers(session: Session, job: Job, st: _Steps | None = None,
         if ev.kind == "fault_fired":
             step = data.get("step")
             t = ev.ts.timestamp()
+            fault = session.get(Fault, data["fault_id"]) if isinstance(data.get("fault_id"), int) else None
+            if fault is not None and isinstance(step, int):
+                # A fault the rank fires itself (nan_loss, a compute slow rank) is armed at once and hits at
+                # its own step; one the agent carries out fires once the job has reached it.
+                step = max(step, fault.step)
             out.append(JobMarker(kind="fault", step=step if isinstance(step, int) else step_at(t), ts=t,
                                  label=ev.message, ref=str(data["fault_id"]) if "fault_id" in data else None))
         else:

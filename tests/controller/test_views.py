@@ -284,6 +284,21 @@ def test_markers_at_their_steps(live_controller: LiveController) -> None:
             assert [m.ts for m in markers] == sorted(m.ts for m in markers)
 
 
+def test_a_fault_the_rank_fires_itself_is_marked_at_its_own_step(live_controller: LiveController) -> None:
+    """nan_loss is armed at once (a fault file) and hits at its step: the marker goes there, not at the
+    step the job had reached when it was armed."""
+    lc = live_controller
+    job = running_job(lc)
+    t0 = time.time() - 11
+    lc.heartbeat("n1", ranks=[(job, 0, 4242)])
+    post_steps(lc, job, [(0, s, t0 + s, 0.5) for s in range(1, 11)], node="n1")
+    fault = lc.inject_fault(job, "nan_loss", rank=0, step=40)
+    lc.monitor_pass()  # arms it: the fault file goes to the rank's node now
+    with viewer(lc) as c:
+        faults = [(m.step, m.ref) for m in c.job_overview(job).markers if m.kind == "fault"]
+    assert faults == [(40, str(fault.id))]
+
+
 # --------------------------------------------------------------------------------------------------
 # Heatmap
 # --------------------------------------------------------------------------------------------------
