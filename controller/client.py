@@ -216,7 +216,7 @@ class VigilClient:
     # -- node commands (agent role) -------------------------------------------------------------
     def node_commands(self, node_id: str, status: str | None = "PENDING") -> NodeCommandsPublic:
         """Commands for ``node_id``'s agent (``GET /nodes/{id}/commands``), oldest first; ``status=None``: all."""
-        params = {"status": status} if status is not None else {}
+        params = {"status": status if status is not None else "ALL"}
         return NodeCommandsPublic.model_validate(
             self._request("GET", f"{API}/nodes/{node_id}/commands", params=params))
 

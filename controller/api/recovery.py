@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from sqlalchemy import func, select
@@ -17,6 +17,7 @@ from controller.schemas import (
     ID_PATTERN,
     CheckpointsPublic,
     CommandResult,
+    CommandStatus,
     FaultCreate,
     FaultPublic,
     FaultsPublic,
@@ -176,9 +177,14 @@ def readmit(node_id: NodeId, session: SessionDep) -> NodeActionPublic:
 
 
 @router.get("/nodes/{node_id}/commands", response_model=NodeCommandsPublic)
-def node_commands(node_id: NodeId, session: SessionDep) -> NodeCommandsPublic:
-    """Pending commands for this node's agent, oldest first."""
-    data = commands.pending(session, node_id)
+def node_commands(
+    node_id: NodeId,
+    session: SessionDep,
+    wanted: Annotated[Literal["PENDING", "DONE", "FAILED", "ALL"], Query(
+        alias="status", description="Commands of this status (the agent polls PENDING); ALL: any.")] = "PENDING",
+) -> NodeCommandsPublic:
+    """This node's commands of ``status`` (default: pending, what the agent polls), oldest first."""
+    data = commands.listed(session, node_id, None if wanted == "ALL" else CommandStatus(wanted))
     return NodeCommandsPublic(data=data, count=len(data))
 
 

@@ -30,12 +30,15 @@ def enqueue(
 
 
 def pending(session: Session, node_id: str, limit: int = 100) -> list[NodeCommand]:
-    rows = session.scalars(
-        select(NodeCommandRow).where(NodeCommandRow.node_id == node_id,
-                                     NodeCommandRow.status == CommandStatus.PENDING.value)
-        .order_by(NodeCommandRow.id).limit(limit)
-    ).all()
-    return [to_public(r) for r in rows]
+    return listed(session, node_id, CommandStatus.PENDING, limit)
+
+
+def listed(session: Session, node_id: str, status: CommandStatus | None, limit: int = 100) -> list[NodeCommand]:
+    """``node_id``'s commands of ``status`` (None: any), oldest first."""
+    q = select(NodeCommandRow).where(NodeCommandRow.node_id == node_id)
+    if status is not None:
+        q = q.where(NodeCommandRow.status == status.value)
+    return [to_public(r) for r in session.scalars(q.order_by(NodeCommandRow.id).limit(limit)).all()]
 
 
 def to_public(r: NodeCommandRow) -> NodeCommand:

@@ -351,7 +351,12 @@ def test_client_methods_speak_the_documented_routes(queue):
         assert got.count == 1 and got.data[0].kind is CommandKind.STOP_PID and got.data[0].args == {"pid": 40_003}
         c.post_command_result(NODE, cid, CommandResult(ok=True, message="m", output={"state": "stopped"}))
         assert c.node_commands(NODE).count == 0
+        # The status filter is the route's, not the client's: the answered command under DONE and ALL.
+        assert [(x.id, x.status.value) for x in c.node_commands(NODE, status="DONE").data] == [(cid, "DONE")]
+        assert [x.id for x in c.node_commands(NODE, status=None).data] == [cid]
+        assert c.node_commands(NODE, status="FAILED").count == 0
     assert seen[0][:2] == ("GET", f"{url}/api/v1/nodes/{NODE}/commands?status=PENDING")
+    assert seen[-1][:2] == ("GET", f"{url}/api/v1/nodes/{NODE}/commands?status=FAILED")
     assert seen[1][:2] == ("POST", f"{url}/api/v1/nodes/{NODE}/commands/{cid}/result")
     assert b'"state":"stopped"' in seen[1][2].replace(b" ", b"")
     row = queue.rows()[cid]
