@@ -64,6 +64,9 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    argv: list[str] = field(default_factory=list, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    """What started it (:meth:`ProcessGroup.restart` starts it again the same way)."""
 
 
 @dataclass
@@ -79,10 +82,21 @@ class ProcessGroup:
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
-        child = Child(name, proc, log_path)
+        child = Child(name, proc, log_path, list(argv), dict(env))
         self.children.append(child)
         self._write_pids()
         return child
+
+    def child(self, name: str) -> Child:
+        """The running child called ``name``."""
+        return next(c for c in self.children if c.name == name)
+
+    def restart(self, name: str, down_s: float = 0.0) -> Child:
+        """``kill -9`` the child ``name`` (its whole session), wait ``down_s``, start it again as before."""
+        old = self.child(name)
+        self.stop_child(old)
+        time.sleep(down_s)
+        return self.start(name, old.argv, old.env, old.log_path.parent)
 
     def stop_child(self, child: Child) -> None:
         _signal_group(child.proc.pid, signal.SIGKILL)

@@ -180,8 +180,9 @@ def _manual(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
     evict = f.node_id if f.node_id and f.node_id not in history.head_nodes | history.no_room else None
     why = f"manual recovery of {f.job_id}: {reason}"
     if policy == RecoveryPolicy.OBSERVE:
-        # The user's restart is carried out, but the incident is not tracked as Vigil's own recovery.
-        return Decision(Action.OBSERVE, f"observe: manual: {reason} (no action by Vigil)", evict=evict,
+        # The user's restart is carried out, but not followed as Vigil's own recovery: the incident is
+        # CLOSED at once (an OPEN one would quiet the job's detectors until the job ends).
+        return Decision(Action.CLOSE, f"observe: manual: {reason} (carried out; not followed by Vigil)", evict=evict,
                         evict_reason=why, kill_all=True)
     return Decision(Action.EVICT_AND_RESTART if evict else Action.RESTART, f"manual: {reason}", evict=evict,
                     evict_reason=why, kill_all=True)

@@ -422,6 +422,23 @@ def test_straggler_on_the_ray_head_is_recorded_but_not_evicted(env: Env) -> None
     assert [e["node_id"] for e in events] == ["vigil-node-2"]
 
 
+@pytest.mark.parametrize("env", [{"recovery": {"policy": "observe"}}], indirect=True)
+def test_manual_recovery_under_observe_is_carried_out_and_closed_not_left_open(env: Env) -> None:
+    """An OPEN incident quiets the job's detectors: the manual one under observe is CLOSED at once, and a
+    straggler afterwards is still detected."""
+    env.steps(1, 20)
+    r = env.client.post(f"{API}/jobs/{env.job_id}/recover", json={"reason": "operator"})
+    assert r.status_code == 202, r.text
+    assert r.json()["status"] == "CLOSED" and "not followed by Vigil" in r.json()["action"]
+    kills = {n: [c["args"]["pid"] for c in env.commands(n) if c["kind"] == "kill_pid"]
+             for n in ("vigil-node-1", "vigil-node-2")}
+    assert kills == {"vigil-node-1": [1000], "vigil-node-2": [1001]}  # the restart was carried out
+    env.steps(21, 40, compute={1: 0.15})
+    env.monitor.step()
+    kinds = [(i["kind"], i["status"]) for i in env.incidents()]
+    assert ("straggler", "OPEN") in kinds and ("manual", "CLOSED") in kinds
+
+
 def test_a_node_the_job_cannot_do_without_is_not_evicted(env: Env) -> None:
     """Two 1-CPU workers on two 1-CPU nodes (the head has none): evicting either leaves the job nowhere to
     run, so a straggler is recorded and the job runs on; a hang restarts the ranks without evicting."""

@@ -133,8 +133,8 @@ def test_a_straggler_whose_node_is_unknown_is_only_recorded() -> None:
 def test_manual_recovery_restarts_every_rank_whatever_the_policy(node: str | None, policy: str) -> None:
     d = decide(finding(K.MANUAL, node=node, rank=None, manual=True, reason="op"), spec(policy), History())
     assert d.kill_all and d.evict == node
-    if policy == OBSERVE:  # carried out, but not tracked as Vigil's recovery: the incident stays OPEN
-        assert d.action == Action.OBSERVE and d.reason == "observe: manual: op (no action by Vigil)"
+    if policy == OBSERVE:  # carried out, not followed as Vigil's recovery: CLOSED (an OPEN one mutes detection)
+        assert d.action == Action.CLOSE and d.reason == "observe: manual: op (carried out; not followed by Vigil)"
     else:
         assert d.action == (Action.EVICT_AND_RESTART if node else Action.RESTART) and d.reason == "manual: op"
     if node:
