@@ -42,10 +42,10 @@ from controller.schemas import (
     NodePublic,
     RankProcess,
 )
+from dashboard.tables import DASH, fmt_age
 
 NA = "n/a"
 """Shown where a node does not have (or could not measure) a metric."""
-DASH = "–"
 WAITING_TEXT = "waiting for data"
 SPARK_POINTS = 30
 """Points of history drawn in a grid cell's sparkline."""
@@ -82,19 +82,6 @@ def fmt_per_s(value: float | None) -> str:
     if value is None:
         return NA
     return "0" if value == 0 else f"{value:.2g}/s"
-
-
-def fmt_age(seconds: float | None) -> str:
-    """A heartbeat age: ``0.8 s``, ``42 s``, ``3 min``, ``2.5 h``; a dash for never."""
-    if seconds is None:
-        return DASH
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def fmt_ranks(ranks: Sequence[RankProcess]) -> str:

@@ -8,8 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 
+from controller import goodput, views
 from controller import jobs as job_service
-from controller import views
 from controller.api.deps import JobId, NodeId, SessionDep
 from controller.models import Job, Node
 from controller.schemas import (
@@ -67,7 +67,7 @@ def get_heatmap(
 def get_goodput(job_id: JobId, session: SessionDep) -> GoodputPublic:
     """Productive time against time lost per cause (startup, restart, lost steps, checkpoint, hang,
     other), and the ETTR."""
-    return views.job_goodput(session, _job(session, job_id), time.time())
+    return goodput.job_goodput(session, _job(session, job_id), time.time())
 
 
 @router.get("/nodes/{node_id}/history", response_model=NodeHistoryPublic)

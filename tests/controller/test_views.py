@@ -31,6 +31,7 @@ from controller import migrate, views
 from controller.aggregation import attempt_spans
 from controller.client import ApiError
 from controller.db import make_engine, session_scope
+from controller.goodput import StepRun, Timeline, goodput_from
 from controller.host_history import HOST_FIELDS, extract
 from controller.models import Incident, Job, JobStepStat, NodeHostSample, RankStepStat
 from controller.schemas import (
@@ -43,7 +44,6 @@ from controller.schemas import (
     Role,
     TelemetryBatch,
 )
-from controller.views import StepRun, Timeline, goodput_from
 from tests.live_controller import LiveController, step_sample
 
 API = "/api/v1"
