@@ -460,6 +460,8 @@ def job_markers(session: Session, job: Job, st: _Steps | None = None,
         out.append(JobMarker(kind="checkpoint", step=ck.step, ts=ck.created_at.timestamp(),
                              label=f"checkpoint at step {ck.step}" + ("" if ck.valid else " (invalid)"), ref=str(ck.id)))
     restart_steps: set[int] = set()
+    rerun = _rerun_starts(session, job_id, st)
+    runs = rerun_runs(rerun)
     for ev in session.scalars(select(Event).where(
             Event.job_id == job_id, Event.kind.in_(["fault_fired", "incident_recovered"]))).all():
         data = ev.data or {}
@@ -479,17 +481,19 @@ def job_markers(session: Session, job: Job, st: _Steps | None = None,
             t = (inc.recovered_at if inc is not None and inc.recovered_at is not None else ev.ts).timestamp()
             step = step_at(t)
             if step is not None:
+                step = snap_to_run(step, runs)  # the first re-run step, when the restart caused a re-run
                 restart_steps.add(step)
             out.append(JobMarker(kind="restart", step=step, ts=t, label=ev.message,
                                  ref=str(inc.id) if inc is not None else None))
-    out += _rerun_restarts(session, job_id, st, restart_steps)
+    out += [JobMarker(kind="restart", step=step, ts=rerun[step], label=f"steps from {step} on re-run after a restart")
+            for step in uncovered_runs(rerun, restart_steps)]
     out += _evictions(session, job, {inc.node_id for inc in incidents if inc.node_id}, step_at)
     out.sort(key=lambda m: (m.ts, m.kind))
     return out[-MAX_MARKERS:]
 
 
-def _rerun_restarts(session: Session, job_id: str, st: _Steps, covered: set[int]) -> list[JobMarker]:
-    """A restart marker at the first step of each run of re-run steps that no recorded restart covers."""
+def _rerun_starts(session: Session, job_id: str, st: _Steps) -> dict[int, float]:
+    """Steps run more than once -> when their kept attempt started."""
     J = JobStepStat
     starts: dict[int, float] = {}
     for step, start, ts in session.execute(
@@ -499,20 +503,30 @@ def _rerun_restarts(session: Session, job_id: str, st: _Steps, covered: set[int]
     for step, (start, _, reruns) in _dup_attempts(session, job_id, st).items():
         if reruns:
             starts[step] = start
-    return [JobMarker(kind="restart", step=step, ts=starts[step], label=f"steps from {step} on re-run after a restart")
-            for step in uncovered_runs(starts, covered)]
+    return starts
 
 
-def uncovered_runs(rerun: Iterable[int], covered: set[int]) -> list[int]:
-    """The first step of each run of consecutive re-run steps that no recorded restart falls in: a recorded
-    restart is placed by its time, which can land a step or so into the run it caused (or just before)."""
+def rerun_runs(rerun: Iterable[int]) -> list[list[int]]:
+    """Runs of consecutive re-run steps, ascending."""
     runs: list[list[int]] = []
     for step in sorted(rerun):
         if runs and step == runs[-1][-1] + 1:
             runs[-1].append(step)
         else:
             runs.append([step])
-    return [run[0] for run in runs if not any(run[0] - 1 <= c <= run[-1] for c in covered)]
+    return runs
+
+
+def snap_to_run(step: int, runs: Sequence[Sequence[int]]) -> int:
+    """A recorded restart is placed by its time, which can land a step or so into the re-run it caused (or
+    just before it): the run's first step then, else ``step``."""
+    return next((run[0] for run in runs if run[0] - 1 <= step <= run[-1]), step)
+
+
+def uncovered_runs(rerun: Iterable[int], covered: set[int]) -> list[int]:
+    """The first step of each run of consecutive re-run steps that no recorded restart falls in (the re-run
+    then gets a restart marker of its own)."""
+    return [run[0] for run in rerun_runs(rerun) if not any(run[0] - 1 <= c <= run[-1] for c in covered)]
 
 
 def _evictions(session: Session, job: Job, incident_nodes: set[str], step_at: Any) -> list[JobMarker]:

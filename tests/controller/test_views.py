@@ -680,10 +680,14 @@ def test_host_extraction_never_fails_on_odd_input(host: dict[str, Any]) -> None:
 def test_a_recorded_restart_inside_its_rerun_steps_is_one_restart_not_two() -> None:
     """The monitor's restart is placed by its time (recovered_at), which can fall one step into the
     re-run steps it caused; the re-run itself must then add no second restart marker."""
-    from controller.views import uncovered_runs
+    from controller.views import rerun_runs, snap_to_run, uncovered_runs
 
     assert uncovered_runs({21, 22, 23}, covered={22}) == []
     assert uncovered_runs({21, 22, 23}, covered={20}) == []  # placed on the step just before
     assert uncovered_runs({21, 22, 23}, covered=set()) == [21]
     assert uncovered_runs({21, 22, 23, 40, 41}, covered={22}) == [40]
     assert uncovered_runs({21, 22, 23}, covered={30}) == [21]
+    # ... and the recorded restart is drawn at the first re-run step.
+    runs = rerun_runs({21, 22, 23, 40, 41})
+    assert runs == [[21, 22, 23], [40, 41]]
+    assert [snap_to_run(s, runs) for s in (20, 22, 23, 30, 41)] == [21, 21, 21, 30, 40]
