@@ -10,6 +10,7 @@ counter files and a fake clock.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -142,8 +143,24 @@ _RATED = {
 
 
 
+#: Below this many TCP segments sent per second the node's retransmit ratio is not reported.
+MIN_SEGS_PER_S = 200.0
+
+
+def parse_proc_net_snmp(text: str) -> dict[str, dict[str, int]]:
+    """``/proc/net/snmp``: pairs of lines (``Tcp: Name ...`` then ``Tcp: value ...``) -> {"Tcp": {name: value}}."""
+    out: dict[str, dict[str, int]] = {}
+    lines = [ln.split() for ln in text.splitlines() if ln.strip()]
+    for names, values in itertools.pairwise(lines):
+        if names[0] == values[0] and names[0].endswith(":") and not names[1].lstrip("-").isdigit() \
+                and len(names) == len(values):
+            out[names[0][:-1]] = {n: int(v) for n, v in zip(names[1:], values[1:], strict=True)}
+    return out
+
+
 class NicCollector:
-    """Per-interface counters, link state and rates computed from counter deltas.
+    """Per-interface counters, link state and rates computed from counter deltas, and the node's
+    TCP retransmits (``tcp``).
 
     Rates are ``None`` on the first reading and after a counter went backwards (interface
     re-created or counter reset): never guessed.
@@ -165,6 +182,8 @@ class NicCollector:
         self._only = set(interfaces) if interfaces is not None else None
         self._include_lo = include_loopback
         self._prev: dict[str, tuple[float, dict[str, int]]] = {}
+        self._proc_snmp = Path(proc_root) / "net" / "snmp"
+        self._prev_tcp: tuple[float, dict[str, int]] | None = None
 
     def collect(self) -> Metrics:
         try:
@@ -182,7 +201,30 @@ class NicCollector:
             interfaces[name] = self._interface(name, cur, now)
         # Forget interfaces that vanished, so a re-created one starts fresh.
         self._prev = {k: v for k, v in self._prev.items() if k in interfaces}
-        return {"available": True, "interfaces": interfaces}
+        return {"available": True, "interfaces": interfaces, "tcp": self._tcp(now)}
+
+    def _tcp(self, now: float) -> Metrics:
+        """The node's TCP segments sent and retransmitted (``/proc/net/snmp``, this network namespace),
+        with per-second rates and ``retrans_ratio`` (retransmitted / sent over the last interval;
+        None under ``MIN_SEGS_PER_S`` sent, where a handful of retransmits would read as a high ratio).
+
+        Packet loss on a node's link shows here first: the sender retransmits what the wire lost,
+        while the NIC's own error and drop counters stay at zero (the loss is on the wire or beyond)."""
+        try:
+            tcp = parse_proc_net_snmp(self._proc_snmp.read_text()).get("Tcp", {})
+            cur = {"out_segs": tcp["OutSegs"], "retrans_segs": tcp["RetransSegs"]}
+        except (OSError, KeyError, ValueError) as exc:
+            return unavailable(f"cannot read TCP counters from {self._proc_snmp}: {_describe(exc)}")
+        m: Metrics = {"available": True, **cur, "out_segs_per_s": None, "retrans_segs_per_s": None,
+                      "retrans_ratio": None}
+        prev, self._prev_tcp = self._prev_tcp, (now, cur)
+        if prev is None or now <= prev[0] or any(cur[k] < prev[1][k] for k in cur):
+            return m
+        dt = now - prev[0]
+        out, retrans = (cur["out_segs"] - prev[1]["out_segs"]) / dt, (cur["retrans_segs"] - prev[1]["retrans_segs"]) / dt
+        m.update(out_segs_per_s=out, retrans_segs_per_s=retrans,
+                 retrans_ratio=retrans / out if out >= MIN_SEGS_PER_S else None)
+        return m
 
     def _interface(self, name: str, cur: dict[str, int], now: float) -> Metrics:
         m: Metrics = dict(cur)

@@ -1,4 +1,4 @@
-"""What one agent is told (:class:`AgentConfig`): its node, the controller, its token, its folders and
+"""What one agent is told (:class:`AgentConfig`): its node, its controllers, its token, its folders and
 intervals, validated on construction (bad values raise ``ValidationError`` naming the field)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import logging
 import re
 import socket
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -51,7 +52,16 @@ class AgentConfig(BaseModel):
         description="Reported in heartbeats; default: local address of the route to the controller.",
     )
     controller_url: str = Field(
-        default_factory=lambda: get_settings().controller_url, description="Base URL of the controller."
+        "",
+        description="Base URL of the controller: the first of controller_urls (given alone, or as a "
+        "comma-separated list, it sets them).",
+    )
+    controller_urls: list[str] = Field(
+        default_factory=list,
+        min_length=1,
+        description="Every controller this agent may talk to, in order of preference (controllers sharing one "
+        "PostgreSQL database); it moves on to the next when one does not answer. Default: "
+        "VIGIL_CONTROLLER_URL, a comma-separated list.",
     )
     token: str = Field(
         ..., min_length=1, repr=False, description="Bearer token with the agent role (required)."
@@ -121,13 +131,36 @@ class AgentConfig(BaseModel):
             )
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _controllers(cls, data: Any) -> Any:
+        """Both URL fields from whichever was given (or the settings): a comma-separated controller_url
+        (``--controller A,B``, ``VIGIL_CONTROLLER_URL=A,B``) is the list, and the first of the list is
+        controller_url."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        one, urls = data.get("controller_url"), data.get("controller_urls")
+        if urls is None:
+            urls = one if one else get_settings().controller_url
+        if isinstance(urls, str):
+            urls = split_urls(urls)
+        data["controller_urls"] = urls
+        if (not one or (isinstance(one, str) and "," in one)) and isinstance(urls, list) and urls:
+            data["controller_url"] = urls[0]
+        return data
+
     @field_validator("controller_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        u = urlparse(v)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"controller_url must be an http(s) URL, got {v!r}")
-        return v
+        return _check_url("controller_url", v)
+
+    @field_validator("controller_urls")
+    @classmethod
+    def _http_urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            _check_url("controller_urls", url)
+        return list(dict.fromkeys(v))  # each once, first place kept
 
     @field_validator("storage_root")
     @classmethod
@@ -143,6 +176,9 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _derive_defaults(self) -> AgentConfig:
+        if self.controller_url != self.controller_urls[0]:
+            raise ValueError(f"controller_url must be the first of controller_urls ({self.controller_urls[0]!r}), "
+                             f"got {self.controller_url!r}")
         if not self.agent_id:
             # The whole node id: ingest is idempotent on (agent_id, seq), so two agents must never share
             # an id (node names such as vigil-node-1 / vigil-node-2 share their first 8 characters).
@@ -154,3 +190,15 @@ class AgentConfig(BaseModel):
         if self.backoff_initial_s > self.backoff_max_s:
             raise ValueError("backoff_initial_s must be <= backoff_max_s")
         return self
+
+
+def split_urls(text: str) -> list[str]:
+    """``"http://a:8000, http://b:8000"`` -> the URLs, blanks dropped."""
+    return [u.strip() for u in text.split(",") if u.strip()]
+
+
+def _check_url(field: str, url: str) -> str:
+    u = urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"{field} must hold http(s) URLs, got {url!r}")
+    return url

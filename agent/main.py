@@ -8,6 +8,10 @@ already sent, makes a final flush, and leaves whatever the controller could not 
 spool for the next run. After a ``kill_node`` command the agent stops without a final flush or
 heartbeat: its node is lost.
 
+Given several controllers (``--controller URL1,URL2``: controllers sharing one PostgreSQL database),
+telemetry and commands each go to the one that answers and move on when it stops answering
+(:mod:`agent.failover`).
+
 This module must never import torch, ray or the trainer: agents run on nodes that need neither.
 """
 
@@ -47,11 +51,11 @@ from agent.commands import (
     ExecutorConfig,
 )
 from agent.config import TOKEN_ENVS, AgentConfig
+from agent.failover import FailoverClient
 from agent.gpu import GpuCollector
 from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer, SocketInUseError
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
-from controller.client import VigilClient
 from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat
 from controller.settings import (
     DEFAULT_STORAGE_PATH,
@@ -101,15 +105,15 @@ class Agent:
         self.receiver = Receiver(config.socket_path, self.buffer, ranks=RankTracker(exits=self.exits))
         # The spool first: it refuses a folder another agent holds, before anything else is opened.
         self.spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
-        self._client: VigilClient | None = None
-        self._command_client: VigilClient | None = None
+        self._client: FailoverClient | None = None
+        self._command_client: FailoverClient | None = None
         self.commands: CommandRunner | None = None
         self._command_loop: CommandLoop | None = None
         if config.commands and (command_transport is not None or transport is None):
             if command_transport is None:
                 # Its own connection: a slow poll never waits behind a telemetry post, or the reverse.
-                self._command_client = VigilClient(
-                    config.controller_url, token=config.token, timeout=config.http_timeout_s
+                self._command_client = FailoverClient.connect(
+                    config.controller_urls, token=config.token, timeout=config.http_timeout_s, purpose="commands"
                 )
                 command_transport = ClientCommandTransport(self._command_client, config.node_id)
             executor = CommandExecutor(
@@ -131,8 +135,8 @@ class Agent:
             )
             self._command_loop = CommandLoop(self.commands, interval_s=config.heartbeat_interval_s)
         if transport is None:
-            self._client = VigilClient(
-                config.controller_url, token=config.token, timeout=config.http_timeout_s
+            self._client = FailoverClient.connect(
+                config.controller_urls, token=config.token, timeout=config.http_timeout_s, purpose="telemetry"
             )
             transport = ClientTransport(self._client)
         if collectors is None:
@@ -231,7 +235,7 @@ class Agent:
             "agent %s (node %s) shipping to %s; spool %s",
             self.config.agent_id,
             self.config.node_id,
-            self.config.controller_url,
+            ", ".join(self.config.controller_urls),
             self.config.spool_dir,
         )
 
@@ -312,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", required=True, help="Node this agent watches (Ray node id).")
     p.add_argument("--agent-id", help="Agent identity for batch numbering (default: HOSTNAME-NODEID).")
     p.add_argument(
-        "--controller", dest="controller_url", help="Controller URL (default: VIGIL_CONTROLLER_URL)."
+        "--controller",
+        dest="controller_url",
+        help="Controller URL, or several comma-separated (controllers sharing one PostgreSQL database; "
+        "the agent fails over between them). Default: VIGIL_CONTROLLER_URL.",
     )
     p.add_argument(
         "--token",

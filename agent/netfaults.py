@@ -43,6 +43,7 @@ from controller.link import (
     IFACE,
     IFB_RX,
     NS_PREFIX,
+    UNLIMITED,
     LinkSpec,
     NetnsError,
     Runner,
@@ -256,7 +257,8 @@ class LinkCollector:
     """The node's shaped link: its rate each way and its queues' counters, from ``tc`` (heartbeat key ``link``).
 
     What ``ethtool`` speed and the NIC's queue counters are on a real host: ``rate_bps`` is what the
-    link can carry now (a degraded NIC shows here, as a NIC renegotiated down shows in its speed);
+    link can carry now (a degraded NIC shows here, as a NIC renegotiated down shows in its speed;
+    None where nothing limits it: the NIC's speed says then);
     ``egress``/``ingress`` are the root queues of ``eth0`` and of its ingress ``ifb0``: bytes,
     packets, drops, ``overlimits`` (packets the shaper had to hold back: the link was the
     bottleneck), ``backlog_bytes``, and per-second rates of the counters from the previous reading
@@ -295,9 +297,12 @@ class LinkCollector:
             return None
         m = _RATE_TEXT.search(r.stdout or "") if r.returncode == 0 else None
         try:
-            return parse_rate(m.group(1)) if m else None
+            rate = parse_rate(m.group(1)) if m else None
         except ValueError:
             return None
+        # A link given only loss or latency carries them in a class at the placeholder rate: no rate
+        # limit, so no rate to report (the NIC's own speed is its capacity, as on the unshaped peers).
+        return None if rate is not None and rate >= parse_rate(UNLIMITED) else rate
 
     def _queue(self, direction: str, q: dict[str, Any], now: float) -> dict[str, Any]:
         cur = {k: int(q.get(k, 0) or 0) for k in _QDISC_COUNTERS}

@@ -28,11 +28,18 @@ import psutil
 from pydantic import TypeAdapter, ValidationError
 
 from controller.background import BackgroundLoop
-from controller.schemas import CheckpointSample, CollectiveSample, RankProcess, RankSample, StepSample
+from controller.schemas import (
+    CheckpointSample,
+    CollectiveSample,
+    FaultSample,
+    RankProcess,
+    RankSample,
+    StepSample,
+)
 
 log = logging.getLogger(__name__)
 
-Sample = StepSample | CollectiveSample | CheckpointSample
+Sample = StepSample | CollectiveSample | CheckpointSample | FaultSample
 
 _LIST_ADAPTER: TypeAdapter[list[Sample]] = TypeAdapter(list[RankSample])
 _ITEM_ADAPTER: TypeAdapter[Sample] = TypeAdapter(RankSample)

@@ -8,6 +8,16 @@ the disk spool and the shipper backs off exponentially; while anything is spoole
 queue behind it on disk, and the spool is replayed oldest first, so the controller receives
 batches in order. Replays are safe: ingest is idempotent on (agent_id, seq).
 
+With several controllers (``AgentConfig.controller_urls``), a post that finds its controller down
+(connection error, timeout, 5xx) is made again at once, the same bytes, on the next one
+(:mod:`agent.failover`); only when none takes it does the batch go to the spool. The same
+``(agent_id, seq)`` reaching two controllers is a replay to the second: exactly once still holds.
+
+Batches travel in the columnar wire format (:mod:`agent.columnar`, ``POST /telemetry/columnar``:
+a fraction of the controller's CPU per sample) when the transport can post it; a controller that
+answers 404 there (older than the endpoint) gets JSON instead, the same batch number and samples,
+and is asked again for columns after ``columnar_retry_s``. Spooled files record their format.
+
 An answer of 400/413/422 means the batch itself is bad: it is logged, counted and dropped, never
 retried. Every other failure (connection refused, timeout, 5xx, but also 401/403 for a wrong
 token or 404 for an older controller) is retried: the data waits in the bounded spool until the
@@ -32,6 +42,8 @@ from typing import Protocol
 import httpx
 from pydantic import ValidationError
 
+from agent import columnar
+from agent.failover import FailoverClient
 from agent.receiver import Sample, SampleBuffer
 from agent.spool import Spool
 from controller.client import ApiError, VigilClient
@@ -44,19 +56,24 @@ REJECT_STATUSES = frozenset({400, 413, 422})
 
 
 class Transport(Protocol):
-    """Posts one gzip-compressed TelemetryBatch body; raises on failure."""
+    """Posts one gzip-compressed TelemetryBatch body; raises on failure. A transport that also has
+    ``post_columnar(body) -> TelemetryAck`` (gzip columnar body, :class:`ClientTransport`) gets columns."""
 
     def post(self, body: bytes) -> TelemetryAck: ...
 
 
 class ClientTransport:
-    """The real transport: :meth:`VigilClient.post_telemetry_raw` with gzip encoding."""
+    """The real transport: :meth:`VigilClient.post_telemetry_raw` with gzip encoding, on the controller
+    that answers (a :class:`~agent.failover.FailoverClient`; a single client is one controller)."""
 
-    def __init__(self, client: VigilClient) -> None:
-        self.client = client
+    def __init__(self, client: VigilClient | FailoverClient) -> None:
+        self.client = client if isinstance(client, FailoverClient) else FailoverClient([client], [""])
 
     def post(self, body: bytes) -> TelemetryAck:
-        return self.client.post_telemetry_raw(body, encoding="gzip")
+        return self.client.call(lambda c: c.post_telemetry_raw(body, encoding="gzip"))
+
+    def post_columnar(self, body: bytes) -> TelemetryAck:
+        return self.client.call(lambda c: c.post_telemetry_columnar(body, encoding="gzip"))
 
 
 class Outcome(enum.Enum):
@@ -87,6 +104,10 @@ class ShipperConfig:
     #: Longest one step spends replaying the spool before it cuts new batches again.
     drain_budget_s: float = 1.0
     gzip_level: int = 5
+    #: ``columnar`` (the default, when the transport can post it) or ``json``.
+    wire_format: str = "columnar"
+    #: After a controller answered 404 to a columnar post, JSON for this long, then columns again.
+    columnar_retry_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_items <= MAX_TELEMETRY_ITEMS:
@@ -101,6 +122,8 @@ class ShipperConfig:
             raise ValueError("backoff must satisfy 0 < backoff_initial_s <= backoff_max_s")
         if not 0 <= self.backoff_jitter < 1:
             raise ValueError(f"backoff_jitter must be in [0, 1), got {self.backoff_jitter}")
+        if self.wire_format not in ("columnar", "json"):
+            raise ValueError(f"wire_format must be columnar or json, got {self.wire_format!r}")
 
 
 @dataclass
@@ -115,6 +138,7 @@ class ShipperStats:
     spooled_batches: int = 0
     lost_samples: int = 0  # spool write failed (disk full, ...)
     heartbeats: int = 0
+    json_fallbacks: int = 0  # columnar batches sent as JSON to a controller without the endpoint
 
 
 #: Builds the heartbeat: (unix time, samples dropped on this node so far) -> Heartbeat.
@@ -150,6 +174,7 @@ class Shipper:
         self._failures = 0
         self._retry_at = float("-inf")
         self._outage_since: float | None = None
+        self._columnar_after = float("-inf")  # columns are refused (404) until then
 
     # -- counters -----------------------------------------------------------------------------------
     @property
@@ -230,17 +255,26 @@ class Shipper:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
         if not samples and heartbeat is None:
             return
+        fmt = self._format()
         while True:
-            chunk, seq, raw = self._encode(samples, heartbeat)
+            chunk, seq, raw = self._encode(samples, heartbeat, fmt)
             self.stats.batches_built += 1
             if heartbeat is not None:
                 self.stats.heartbeats += 1
-            self._dispatch(seq, gzip.compress(raw, compresslevel=self.config.gzip_level), len(chunk))
+            self._dispatch(seq, gzip.compress(raw, compresslevel=self.config.gzip_level), len(chunk), fmt)
             samples, heartbeat = samples[len(chunk) :], None
             if not samples:
                 return
 
-    def _encode(self, samples: list[Sample], heartbeat: Heartbeat | None) -> tuple[list[Sample], int, bytes]:
+    def _format(self) -> str:
+        """The wire format of the next batch: columns when configured, postable, and not refused lately."""
+        if (self.config.wire_format == "columnar" and hasattr(self.transport, "post_columnar")
+                and self._clock() >= self._columnar_after):
+            return "columnar"
+        return "json"
+
+    def _encode(self, samples: list[Sample], heartbeat: Heartbeat | None, fmt: str = "json"
+                ) -> tuple[list[Sample], int, bytes]:
         """Number and serialise the longest prefix of ``samples`` that fits ``max_batch_bytes``.
 
         Halves the prefix until it fits; each number taken for a batch that turned out too big is
@@ -249,6 +283,13 @@ class Shipper:
         chunk = samples
         while True:
             seq = self.spool.allocate_seq()
+            if fmt == "columnar":
+                raw = columnar.encode(self.config.agent_id, self.config.node_id, seq, self._wall_clock(), chunk,
+                                      heartbeat)
+                if len(raw) <= self.config.max_batch_bytes or len(chunk) <= 1:
+                    return chunk, seq, raw
+                chunk = chunk[: len(chunk) // 2]
+                continue
             batch = TelemetryBatch(
                 agent_id=self.config.agent_id,
                 node_id=self.config.node_id,
@@ -270,18 +311,18 @@ class Shipper:
             log.exception("building the heartbeat failed")
             return None
 
-    def _dispatch(self, seq: int, body: bytes, n_samples: int) -> None:
+    def _dispatch(self, seq: int, body: bytes, n_samples: int, fmt: str = "json") -> None:
         # Straight to the controller only when nothing waits before this batch and we are not
         # backing off; otherwise behind the spooled ones, so order is kept.
         if len(self.spool) == 0 and self._clock() >= self._retry_at:
-            outcome = self._post(seq, body, n_samples)
+            outcome = self._post(seq, body, n_samples, fmt)
             if outcome is not Outcome.RETRY:
                 return
-        self._to_spool(seq, body, n_samples)
+        self._to_spool(seq, body, n_samples, fmt)
 
-    def _to_spool(self, seq: int, body: bytes, n_samples: int) -> None:
+    def _to_spool(self, seq: int, body: bytes, n_samples: int, fmt: str = "json") -> None:
         try:
-            lost = self.spool.put(seq, body, n_samples)
+            lost = self.spool.put(seq, body, n_samples, fmt)
         except OSError as exc:
             self.stats.lost_samples += n_samples
             log.error("cannot spool batch %d (%d samples lost): %s", seq, n_samples, exc)
@@ -307,14 +348,32 @@ class Shipper:
                 self.stats.lost_samples += b.samples
                 self.spool.remove(b.seq)
                 continue
-            outcome = self._post(b.seq, body, b.samples)
+            outcome = self._post(b.seq, body, b.samples, b.format)
             if outcome is Outcome.RETRY:
                 return
             self.spool.remove(b.seq)
 
-    def _post(self, seq: int, body: bytes, n_samples: int) -> Outcome:
+    def _send(self, body: bytes, fmt: str) -> TelemetryAck:
+        """Post ``body`` in its format; a columnar one goes as JSON where columns are not (yet) taken."""
+        post_columnar = getattr(self.transport, "post_columnar", None)
+        if fmt == "columnar" and post_columnar is not None and self._clock() >= self._columnar_after:
+            try:
+                return post_columnar(body)
+            except ApiError as exc:
+                if exc.status_code != 404:
+                    raise
+                log.warning("the controller has no columnar ingest (HTTP 404): sending JSON for %.0fs",
+                            self.config.columnar_retry_s)
+                self._columnar_after = self._clock() + self.config.columnar_retry_s
+        if fmt == "columnar":  # the same batch (number, samples, heartbeat) re-encoded as JSON
+            self.stats.json_fallbacks += 1
+            batch = columnar.to_batch(gzip.decompress(body))
+            body = gzip.compress(batch.model_dump_json().encode(), compresslevel=self.config.gzip_level)
+        return self.transport.post(body)
+
+    def _post(self, seq: int, body: bytes, n_samples: int, fmt: str = "json") -> Outcome:
         try:
-            ack = self.transport.post(body)
+            ack = self._send(body, fmt)
         except ApiError as exc:
             if exc.status_code in REJECT_STATUSES:
                 self.stats.rejected_batches += 1

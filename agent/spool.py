@@ -1,7 +1,8 @@
 """The agent's disk spool: batches waiting for the controller, and the batch numbering.
 
-One file per batch, named by its sequence number and sample count
-(``00000000000000000042-1500.json.gz``), written atomically (temporary file, then rename), so a
+One file per batch, named by its sequence number, sample count and wire format
+(``00000000000000000042-1500.json.gz`` for a JSON batch, ``...-1500.cols.gz`` for a columnar one,
+:mod:`agent.columnar`), written atomically (temporary file, then rename), so a
 crash leaves either the whole batch or nothing. The spool is bounded in bytes: making room drops
 the *oldest* batches first and counts the samples lost.
 
@@ -27,7 +28,10 @@ from typing import Self
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^(\d{20})-(\d+)\.json\.gz$")
+_NAME = re.compile(r"^(\d{20})-(\d+)\.(json|cols)\.gz$")
+#: Wire format of a spooled body -> its file suffix.
+FORMATS = {"json": "json", "columnar": "cols"}
+_SUFFIX_FORMAT = {v: k for k, v in FORMATS.items()}
 STATE_FILE = "next_seq"
 LOCK_FILE = ".lock"
 TMP_PREFIX = ".tmp-"
@@ -45,13 +49,15 @@ class SpooledBatch:
     samples: int
     size: int
     path: Path
+    #: How the body is encoded: ``json`` (a TelemetryBatch) or ``columnar``; both gzip-compressed.
+    format: str = "json"
 
     def read(self) -> bytes:
         return self.path.read_bytes()
 
 
-def batch_file_name(seq: int, samples: int) -> str:
-    return f"{seq:020d}-{samples}.json.gz"
+def batch_file_name(seq: int, samples: int, fmt: str = "json") -> str:
+    return f"{seq:020d}-{samples}.{FORMATS[fmt]}.gz"
 
 
 class Spool:
@@ -96,7 +102,8 @@ class Spool:
             m = _NAME.match(p.name)
             if m is None:
                 continue
-            b = SpooledBatch(seq=int(m.group(1)), samples=int(m.group(2)), size=p.stat().st_size, path=p)
+            b = SpooledBatch(seq=int(m.group(1)), samples=int(m.group(2)), size=p.stat().st_size, path=p,
+                             format=_SUFFIX_FORMAT[m.group(3)])
             self._insert(b)
         if self._batches:
             log.info(
@@ -146,8 +153,8 @@ class Spool:
         return self._next_seq
 
     # -- batches ----------------------------------------------------------------------------------
-    def put(self, seq: int, body: bytes, samples: int) -> int:
-        """Store a batch; return the samples lost to make room (oldest batches dropped first).
+    def put(self, seq: int, body: bytes, samples: int, fmt: str = "json") -> int:
+        """Store a batch encoded in ``fmt`` (``json`` or ``columnar``); return the samples lost to make room (oldest batches dropped first).
 
         A batch bigger than the whole spool is itself dropped (and counted).
         """
@@ -167,9 +174,9 @@ class Spool:
             self.dropped_samples += old.samples
             lost += old.samples
             log.warning("spool full: dropped batch %d (%d samples)", old.seq, old.samples)
-        name = batch_file_name(seq, samples)
+        name = batch_file_name(seq, samples, fmt)
         self._write_atomic(name, body)
-        self._insert(SpooledBatch(seq=seq, samples=samples, size=size, path=self.directory / name))
+        self._insert(SpooledBatch(seq=seq, samples=samples, size=size, path=self.directory / name, format=fmt))
         return lost
 
     def oldest(self) -> SpooledBatch | None:

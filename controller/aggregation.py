@@ -60,7 +60,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.background import BackgroundLoop
-from controller.db import session_scope
+from controller.db import session_scope, sqlite_writer
 from controller.models import (
     CollectiveMetric,
     CollectiveStepStat,
@@ -342,45 +342,58 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     is read row by row, so that the latest sample of each (rank, seq) wins.
     """
     step_rows = session.execute(
-        select(*_STEP_FIELDS).where(StepMetric.job_id == job_id, StepMetric.step == step).order_by(StepMetric.id)
+        select(*_STEP_FIELDS).where(StepMetric.job_id == job_id, StepMetric.step == step).order_by(StepMetric.attempt, StepMetric.id)
     ).all()
     steps: dict[int, Sequence[Any]] = {}
     for r in step_rows:
         steps[r[0]] = r
     C = CollectiveMetric
     where = (C.job_id == job_id, C.step == step)
-    # The fastest duration of each call next to every row, by a window function: one scan, and no
-    # join for the planner to get wrong (on a fresh table without statistics PostgreSQL picked a
-    # nested loop that re-aggregated the subquery once per row).
-    rows = select(C.op, C.group, C.tag, C.rank, C.seq, C.duration_s, C.payload_bytes, C.wire_bytes, C.elements,
-                  C.ts, C.node_id, func.min(C.duration_s).over(partition_by=C.seq).label("fastest")
-                  ).where(*where).subquery()
     per_kind_rank = session.execute(
-        select(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank, func.count(), func.count(distinct(rows.c.seq)),
-               func.sum(rows.c.duration_s), func.sum(rows.c.duration_s - rows.c.fastest),
-               func.sum(rows.c.payload_bytes), func.sum(rows.c.wire_bytes), func.sum(rows.c.elements),
-               func.max(rows.c.ts), func.min(rows.c.node_id))
-        .group_by(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank)
+        select(C.op, C.group, C.tag, C.rank, func.count(), func.count(distinct(C.seq)), func.sum(C.duration_s),
+               func.sum(C.payload_bytes), func.sum(C.wire_bytes), func.sum(C.elements), func.max(C.ts),
+               func.min(C.node_id))
+        .where(*where).group_by(C.op, C.group, C.tag, C.rank)
     ).all()
     if any(r[4] != r[5] for r in per_kind_rank):  # duplicates: the exact, row-by-row path
-        coll_rows = session.execute(select(*_COLL_FIELDS).where(*where).order_by(C.id)).all()
+        coll_rows = session.execute(select(*_COLL_FIELDS).where(*where).order_by(C.attempt, C.id)).all()
         return compute_step(job_id, step, step_rows, coll_rows)
+    # The fastest duration of each call (a call: every rank's seq-th call of the step), with its kind.
+    per_call = session.execute(
+        select(C.op, C.group, C.tag, C.seq, func.min(C.duration_s)).where(*where).group_by(C.op, C.group, C.tag, C.seq)
+    ).all()
+    fastest: dict[int, float] = {}
+    transfer: dict[Kind, float] = {}
+    calls_of: dict[Kind, int] = {}
+    for op, group, tag, seq, d in per_call:
+        fastest[seq] = min(float(d), fastest.get(seq, math.inf))
+        transfer[(op, group, tag)] = transfer.get((op, group, tag), 0.0) + float(d)
+        calls_of[(op, group, tag)] = calls_of.get((op, group, tag), 0) + 1
+    # Each rank's wait in a kind is the sum over its calls of (duration - the call's fastest). Where
+    # every rank made every call of its kind (the rule: the ranks of a collective call it together)
+    # and each call is of one kind, that sum is the rank's total minus the kind's transfer: no per-row
+    # pass. Otherwise one more GROUP BY, over each row next to its call's fastest duration.
+    if len(fastest) == len(per_call) and all(r[4] == calls_of[(r[0], r[1], r[2])] for r in per_kind_rank):
+        waits = {(r[0], r[1], r[2], r[3]): float(r[6]) - transfer[(r[0], r[1], r[2])] for r in per_kind_rank}
+    else:
+        # By a window function: one scan, and no join for the planner to get wrong (on a fresh table
+        # without statistics PostgreSQL picked a nested loop that re-aggregated per row).
+        rows = select(C.op, C.group, C.tag, C.rank, C.duration_s,
+                      func.min(C.duration_s).over(partition_by=C.seq).label("fastest")).where(*where).subquery()
+        waits = {(op, group, tag, rank): float(w) for op, group, tag, rank, w in session.execute(
+            select(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank, func.sum(rows.c.duration_s - rows.c.fastest))
+            .group_by(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank)).all()}
+        transfer = {}
+        for op, group, tag, seq, _ in per_call:  # a call counted once, in every kind it appears in
+            transfer[(op, group, tag)] = transfer.get((op, group, tag), 0.0) + fastest[seq]
     spans = attempt_spans((r[0], r[2], r[5]) for r in step_rows)
     kinds: dict[Kind, dict[int, _KindRank]] = {}
     n_calls = 0
-    for op, group, tag, rank, count, _, dur, wait, payload, wire, elements, ts, node in per_kind_rank:
+    for op, group, tag, rank, count, _, dur, payload, wire, elements, ts, node in per_kind_rank:
         kinds.setdefault((op, group, tag), {})[rank] = _KindRank(
-            dur=float(dur), wait=max(0.0, float(wait)), calls=int(count), payload=int(payload), wire=int(wire),
-            elements=int(elements), ts=float(ts), node=node)
+            dur=float(dur), wait=max(0.0, waits[(op, group, tag, rank)]), calls=int(count), payload=int(payload),
+            wire=int(wire), elements=int(elements), ts=float(ts), node=node)
         n_calls += int(count)
-    # Transfer per kind: the sum over its calls of the fastest duration (one row per call).
-    fastest: dict[int, float] = dict(
-        session.execute(select(C.seq, func.min(C.duration_s)).where(*where).group_by(C.seq)).all())
-    transfer: dict[Kind, float] = {}
-    for op, group, tag, seq in session.execute(
-        select(C.op, C.group, C.tag, C.seq).where(*where).group_by(C.op, C.group, C.tag, C.seq)
-    ).all():
-        transfer[(op, group, tag)] = transfer.get((op, group, tag), 0.0) + float(fastest[seq])
     return _assemble(job_id, step, steps, kinds, transfer, n_calls, spans)
 
 
@@ -413,8 +426,13 @@ def aggregate_ready(sessions: sessionmaker[Session], now: float, settle_s: float
     done = 0
     for job_id, step, version in ready:
         try:
+            # Read, then write in a transaction of its own, in this process's queue of SQLite writers
+            # (controller.db.sqlite_writer): telemetry requests wait only for the write, not the read.
+            # Rows that arrive in between bump the step's version: it stays dirty and is done again.
             with session_scope(sessions) as session:
-                write_step(session, job_id, step, load_step(session, job_id, step))
+                agg = load_step(session, job_id, step)
+            with sqlite_writer(sessions), session_scope(sessions) as session:
+                write_step(session, job_id, step, agg)
                 session.execute(
                     delete(TelemetryDirtyStep).where(
                         TelemetryDirtyStep.job_id == job_id, TelemetryDirtyStep.step == step,

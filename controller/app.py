@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
 from sqlalchemy import text
@@ -21,6 +21,7 @@ from controller.api.deps import SessionDep
 from controller.auth import authorize, mint_internal_token
 from controller.db import make_engine, make_session_factory
 from controller.launcher import ClusterControl, JobLauncher, RayClusterControl, RayJobLauncher
+from controller.leader import Leadership, default_controller_id, leader_lock
 from controller.limits import BodySizeLimit, validation_error_handler
 from controller.prometheus import make_registry
 from controller.recovery.monitor import Monitor
@@ -46,10 +47,11 @@ health_router = APIRouter(tags=["health"])
 
 
 @health_router.get("/healthz", response_model=Health)
-def healthz(session: SessionDep) -> Health:
-    """Liveness and database reachability (open to everyone)."""
+def healthz(session: SessionDep, request: Request) -> Health:
+    """Liveness, database reachability, and whether this controller is the leader (open to everyone)."""
     session.execute(text("SELECT 1"))
-    return Health(status="ok", database=session.get_bind().dialect.name, version=VERSION)
+    return Health(status="ok", database=session.get_bind().dialect.name, version=VERSION,
+                  leader=request.app.state.leadership.is_leader)
 
 
 def job_env(settings: Settings) -> dict[str, str]:
@@ -71,7 +73,10 @@ def create_app(
     """Build the controller app.
 
     ``launcher`` defaults to Ray Job Submission at ``settings.ray_address`` (none: jobs stay PENDING).
-    ``background`` starts the supervisor thread; tests may leave it off and call ``supervisor.step()``.
+    ``background`` starts the leadership loop, which runs the supervisor, the monitor and the telemetry
+    maintainer while this controller holds the leader lock (controller/leader.py: always on SQLite; on
+    PostgreSQL one controller of those sharing the database). Tests may leave it off and call
+    ``supervisor.step()``; such an app is the leader on SQLite only.
     """
     settings = settings or get_settings()
     url = settings.resolved_database_url()
@@ -83,15 +88,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if background:
-            app.state.supervisor.start()
-            app.state.monitor.start()
-            app.state.telemetry.start()
+            app.state.leadership.start()
         try:
             yield
         finally:
-            app.state.supervisor.stop()
-            app.state.monitor.stop()
-            app.state.telemetry.stop()
+            app.state.leadership.stop()  # the loops too, whoever started them; a standby takes over
+            app.state.leadership.lock.close()
             app.state.engine.dispose()
 
     if run_migrations:
@@ -116,11 +118,17 @@ def create_app(
     app.state.launcher = launcher
     app.state.supervisor = Supervisor(app.state.sessions, launcher, job_env(settings), settings.supervisor_interval_s,
                                       settings.launch_retry_s)
-    app.state.monitor = Monitor(app.state.sessions, launcher, cluster, settings.monitor_interval_s)
+    app.state.monitor = Monitor(app.state.sessions, launcher, cluster, settings.monitor_interval_s,
+                                reconnect_grace_s=settings.monitor_reconnect_grace_s)
     # Per-step aggregates and the raw retention window (controller/aggregation.py).
     app.state.telemetry = TelemetryMaintainer(
         app.state.sessions, retention_s=settings.raw_retention_s, settle_s=settings.aggregate_settle_s,
         interval_s=settings.telemetry_interval_s, prune_interval_s=settings.raw_prune_interval_s,
+    )
+    # Only the leader runs them (one monitor per database, or incidents are opened twice).
+    app.state.leadership = Leadership(
+        leader_lock(engine), [app.state.supervisor, app.state.monitor, app.state.telemetry], app.state.sessions,
+        controller_id=settings.controller_id or default_controller_id(), interval=settings.leader_interval_s,
     )
     app.state.metrics_registry = make_registry(
         app.state.sessions, max_jobs=settings.metrics_max_jobs, max_ranks=settings.metrics_max_ranks

@@ -64,6 +64,7 @@ ROUTE_POLICY: dict[tuple[str, str], frozenset[Role] | str] = {
     ("GET", f"{API}/nodes"): READ,
     ("GET", f"{API}/events"): READ,
     ("POST", f"{API}/telemetry"): INGEST,
+    ("POST", f"{API}/telemetry/columnar"): INGEST,
     ("GET", f"{API}/jobs/{{job_id}}/steps"): READ,
     ("GET", f"{API}/jobs/{{job_id}}/collectives"): READ,
     # derived views (controller/api/views.py)

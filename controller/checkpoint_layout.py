@@ -19,6 +19,17 @@ STEP_DIR_PREFIX = "step-"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
+ATTEMPTS_DIR = "attempts"
+"""``<root>/attempts/<n>``: one empty folder per run attempt of the job's ranks (see :func:`attempts_dir`)."""
+
+
+def attempts_dir(root: Path) -> Path:
+    """Where a job's run attempts are claimed: ``<checkpoint root>/attempts``. Every start of the ranks
+    (the first, and each restart) makes the next numbered folder there, so the attempt numbers of one
+    job increase on its shared storage across every restart and node (trainer.checkpoint)."""
+    return Path(root) / ATTEMPTS_DIR
+
+
 def job_checkpoint_root(storage_path: Path | str, job_id: str) -> Path:
     """The checkpoint root of job ``job_id`` under the storage path: ``<storage>/<slug(job id)>/checkpoints``."""
     return Path(storage_path) / slugify(job_id) / "checkpoints"

@@ -45,6 +45,8 @@ from controller.schemas import (
     TokensPublic,
     WhoAmI,
 )
+from controller.schemas.columnar import COLUMNAR_PATH
+from controller.schemas.columnar import CONTENT_TYPE as COLUMNAR_CONTENT_TYPE
 
 API = "/api/v1"
 
@@ -148,6 +150,13 @@ class VigilClient:
         if encoding:
             headers["Content-Encoding"] = encoding
         return TelemetryAck.model_validate(self._request("POST", f"{API}/telemetry", content=body, headers=headers))
+
+    def post_telemetry_columnar(self, body: bytes, encoding: str | None = None) -> TelemetryAck:
+        """Post a columnar batch (:mod:`controller.schemas.columnar`; ``encoding='gzip'`` when compressed)."""
+        headers = {"Content-Type": COLUMNAR_CONTENT_TYPE}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        return TelemetryAck.model_validate(self._request("POST", f"{API}{COLUMNAR_PATH}", content=body, headers=headers))
 
     # -- tokens (admin) -----------------------------------------------------------------------
     def create_token(self, spec: TokenCreate) -> TokenCreated:

@@ -5,6 +5,10 @@ A Ray head plus N worker raylets (``ray start --block``, each its own node id an
 as child processes. Every child runs in its own session so that stopping it stops its whole process
 tree; the pids are written to ``<home>/run/pids.json`` so that a crashed run's leftovers are
 cleaned by the next ``vigil up``.
+
+On PostgreSQL, ``standby_controllers`` more controllers run on other ports against the same database:
+the first one started holds the leader lock (controller/leader.py), the others take over when it dies,
+and every agent is given all their URLs and fails over between them (agent/failover.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Self
 
@@ -208,6 +213,10 @@ class LocalCluster:
     procs: ProcessGroup
     ray_temp_dir: Path
     run_dir: Path
+    controller_urls: list[str] = field(default_factory=list)
+    """Every controller (the first started, the leader at start, first; then the standbys); the agents know them all."""
+    controller_names: list[str] = field(default_factory=list)
+    """Their children's names in :attr:`procs`, in the same order (``controller``, ``controller-1``, ...)."""
     admin_token: str = field(default="", repr=False)
     """The admin token (also in :attr:`admin_token_path`, mode 0600)."""
     admin_token_path: Path | None = None
@@ -322,8 +331,13 @@ def start_local_cluster(
     timeout: float = 120.0,
     netns: bool = False,
     link: LinkSpec | None = None,
+    standby_controllers: int = 0,
 ) -> LocalCluster:
     """Start head + ``nodes`` worker raylets, the controller and one agent per node; wait until all are up.
+
+    ``standby_controllers``: that many more controllers, on free ports, against the same database, which
+    must then be PostgreSQL (``database_url``); they wait for the leader lock while the first one holds
+    it. The agents get every controller's URL (``VIGIL_CONTROLLER_URL`` and ``--controller``, comma-separated).
 
     ``netns``: every worker node (raylet and agent) in its own network namespace with a veth ``eth0``
     shaped as ``link`` (controller/netns.py); the head, the controller and the dashboard stay in the
@@ -331,6 +345,11 @@ def start_local_cluster(
     no CPUs either way, so ranks run only on worker nodes (namespaced: where gloo uses ``eth0``).
     Without root (or ``ip``/``tc``) it says why in one line and starts the plain cluster.
     """
+    if standby_controllers < 0:
+        raise ValueError(f"standby_controllers must be >= 0, got {standby_controllers}")
+    if standby_controllers and not (database_url or "").startswith(("postgresql", "postgres:")):
+        raise ValueError("standby_controllers needs a PostgreSQL database_url (controllers share a database and "
+                         "take turns under its advisory lock; SQLite serves one controller)")
     home = home.resolve()
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="vigil-run-", dir="/tmp"))
     log_dir = home / "logs"
@@ -353,9 +372,12 @@ def start_local_cluster(
         env.pop(name, None)
     dashboard_url = f"http://{LOOPBACK}:{dash_port}"
     controller_url = f"http://{LOOPBACK}:{port}"
-    # Where the nodes reach the head and the controller: loopback, or the bridge from a namespace.
+    ports = [port, *(free_port() for _ in range(standby_controllers))]
+    controller_urls = [f"http://{LOOPBACK}:{p}" for p in ports]
+    controller_names = ["controller", *(f"controller-{i}" for i in range(1, len(ports)))]
+    # Where the nodes reach the head and the controllers: loopback, or the bridge from a namespace.
     head_ip = net.gateway if net else LOOPBACK
-    node_controller_url = f"http://{head_ip}:{port}"
+    node_controller_urls = ",".join(f"http://{head_ip}:{p}" for p in ports)
     join_cmds: dict[str, list[str]] = {}
     try:
         common = ["--block", f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
@@ -395,13 +417,17 @@ def start_local_cluster(
             vigil_env["VIGIL_DATABASE_URL"] = database_url
         vigil = [sys.executable, "-m", "controller.cli"]
         listen = ["--extra-host", head_ip, "--allow-remote"] if net else []
-        procs.start("controller", [*vigil, "controller", "--port", str(port), *listen], vigil_env, log_dir)
-        wait_for(lambda: httpx.get(f"{controller_url}/api/v1/healthz", timeout=2).status_code == 200, timeout,
-                 f"the controller on {controller_url}", 0.5, (Exception,))
+        # The first controller alone until it answers: it takes the leader lock before its API is up,
+        # so it leads and the standbys started after it wait.
+        for name, p, url in zip(controller_names, ports, controller_urls, strict=True):
+            procs.start(name, [*vigil, "controller", "--port", str(p), *listen],
+                        dict(vigil_env, VIGIL_PORT=str(p), VIGIL_CONTROLLER_URL=url), log_dir)
+            wait_for(partial(_answers, url), timeout, f"the controller on {url}", 0.5, (Exception,))
+        agents_url = ",".join(controller_urls)
         for i, node_id in enumerate(node_ids):
             # Each agent its own node's token, by env: a --token would show in `ps`.
-            agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agents[node_id])
-            url = node_controller_url if net and i > 0 else controller_url
+            agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agents[node_id], VIGIL_CONTROLLER_URL=agents_url)
+            url = node_controller_urls if net and i > 0 else agents_url
             argv = [*vigil, "agent", "--node-id", node_id, "--controller", url,
                     "--socket", str(agent_socket_path(run_dir, node_id)),
                     "--spool-dir", str(home / "spool" / node_id), *agent_extra_args(node_id, join_cmds, home, procs)]
@@ -410,7 +436,10 @@ def start_local_cluster(
                 # network faults shape that eth0 (agent/netfaults.py), restoring `link` on clear.
                 procs.start(f"agent-{i}", net.node(i).exec_argv(argv),
                             dict(agent_env, VIGIL_CONTROLLER_URL=url, VIGIL_NIC_IFACE=net.node(i).iface,
-                                 VIGIL_NIC_LINK=net.link.to_json()), log_dir)
+                                 VIGIL_NIC_LINK=net.link.to_json(),
+                                 # The raylet it starts again on readmission (and so the ranks there) use
+                                 # gloo on eth0 like the first one, not loopback, which the peers cannot reach.
+                                 GLOO_SOCKET_IFNAME=net.node(i).iface), log_dir)
             else:
                 procs.start(f"agent-{i}", argv, agent_env, log_dir)
         wait_for(lambda: httpx.get(f"{controller_url}/api/v1/nodes", headers=auth, timeout=2).json()["count"]
@@ -423,8 +452,14 @@ def start_local_cluster(
         _revoke(db_url, tokens.agent_token_ids)
         raise
     return LocalCluster(home, controller_url, f"{head_ip}:{gcs_port}", dashboard_url, node_ids, procs, ray_temp,
-                        run_dir, admin_token=tokens.admin, admin_token_path=tokens.admin_path, database_url=db_url,
+                        run_dir, controller_urls=controller_urls, controller_names=controller_names,
+                        admin_token=tokens.admin, admin_token_path=tokens.admin_path, database_url=db_url,
                         agent_token_ids=tokens.agent_token_ids, netns=net)
+
+
+def _answers(url: str) -> bool:
+    """Whether the controller at ``url`` answers its health check."""
+    return httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200
 
 
 def _agent_port() -> list[str]:

@@ -79,9 +79,10 @@ class StepMetric(Base):
     """One step of one rank (raw sample)."""
 
     __tablename__ = "step_metrics"
-    # (job, rank, step): a rank's series; (job, step): one step's rows (the aggregator, the views'
-    # forming steps), which the first index can only find by scanning every raw row of the job.
-    __table_args__ = (Index("ix_step_metrics_job_rank_step", "job_id", "rank", "step"),
+    # (job, rank, step, attempt): one sample, stored once whatever replays it (and a rank's series);
+    # (job, step): one step's rows (the aggregator, the views' forming steps), which the first index
+    # can only find by scanning every raw row of the job.
+    __table_args__ = (Index("uq_step_metrics_sample", "job_id", "rank", "step", "attempt", unique=True),
                       Index("ix_step_metrics_job_step", "job_id", "step"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
@@ -89,6 +90,7 @@ class StepMetric(Base):
     node_id: Mapped[str] = mapped_column(String(128))
     rank: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     ts: Mapped[float] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float)
     lr: Mapped[float | None] = mapped_column(Float)
@@ -108,13 +110,15 @@ class CollectiveMetric(Base):
     """One collective call of one rank (raw sample)."""
 
     __tablename__ = "collective_metrics"
-    __table_args__ = (Index("ix_collective_metrics_job_step", "job_id", "step"),)
+    # One call of one rank's attempt at a step, stored once; its (job, step) prefix finds a step's rows.
+    __table_args__ = (Index("uq_collective_metrics_sample", "job_id", "step", "rank", "attempt", "seq", unique=True),)
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     node_id: Mapped[str] = mapped_column(String(128))
     rank: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     seq: Mapped[int] = mapped_column(Integer)
     op: Mapped[str] = mapped_column(String(64))
     group: Mapped[str] = mapped_column(String(64))
@@ -328,6 +332,8 @@ class Fault(Base):
     rank: Mapped[int | None] = mapped_column(Integer)
     node_id: Mapped[str | None] = mapped_column(String(128))
     step: Mapped[int] = mapped_column(Integer, default=0)
+    hit_step: Mapped[int | None] = mapped_column(Integer)
+    """The step the fault really hit (the rank's report, or the job's newest step when the agent acted)."""
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
     status: Mapped[str] = mapped_column(String(16), default="PENDING", index=True)
     message: Mapped[str | None] = mapped_column(Text)

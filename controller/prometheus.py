@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
@@ -45,6 +45,27 @@ NIC_RATES = {
     "rx_dropped_per_s": ("vigil_node_nic_receive_drops_per_second", "Received packets dropped per second."),
     "tx_dropped_per_s": ("vigil_node_nic_transmit_drops_per_second", "Sent packets dropped per second."),
 }
+
+
+#: Buckets (seconds) of the monitor's pass time: its goal is well under a second even while ingest floods.
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Process metrics, observed where the work happens (not read from the database): registered in no
+# registry of their own, every app's registry exports them through :class:`ProcessCollector`.
+MONITOR_PASS_SECONDS = Histogram("vigil_monitor_pass_seconds", "Duration of one monitor pass (detectors, "
+                                 "policy, actions), in this process.", buckets=PASS_BUCKETS, registry=None)
+MONITOR_LAST_PASS_SECONDS = Gauge("vigil_monitor_last_pass_seconds", "Duration of the latest monitor pass in this "
+                                  "process (0: none yet; only the leader runs the monitor).", registry=None)
+
+
+class ProcessCollector(Collector):
+    """This process's own metrics (the monitor's pass time), next to the database's."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from MONITOR_PASS_SECONDS.collect()
+        yield from MONITOR_LAST_PASS_SECONDS.collect()
 
 
 def _label(v: object) -> str:
@@ -226,6 +247,7 @@ def make_registry(sessions: sessionmaker[Session], *, max_jobs: int = 20, max_ra
     """A registry of its own (not the process-global one) holding a :class:`VigilCollector`."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(VigilCollector(sessions, max_jobs=max_jobs, max_ranks=max_ranks))
+    registry.register(ProcessCollector())
     return registry
 
 
@@ -234,4 +256,4 @@ def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
-__all__ = ["LABEL_MAX", "MAX_INTERFACES", "MAX_KINDS", "VigilCollector", "make_registry", "render"]
+__all__ = ["LABEL_MAX", "MAX_INTERFACES", "MAX_KINDS", "MONITOR_LAST_PASS_SECONDS", "MONITOR_PASS_SECONDS", "ProcessCollector", "VigilCollector", "make_registry", "render"]

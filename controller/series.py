@@ -147,7 +147,7 @@ def job_steps(session: Session, job_id: str, rng: StepRange, max_points: int = 2
     S = StepMetric
     for r in session.execute(
         rng.where(select(S.rank, S.step, S.node_id, S.ts, S.loss, S.step_time_s, S.data_s, S.fwd_bwd_s, S.optim_s,
-                         S.comm_s).where(S.job_id == job_id, S.step.in_(older)), S).order_by(S.id)
+                         S.comm_s).where(S.job_id == job_id, S.step.in_(older)), S).order_by(S.attempt, S.id)
     ).all() if older else []:
         by_rank[r.rank][r.step] = ({"node_id": r.node_id, "ts": r.ts, "loss": r.loss, "step_time_s": r.step_time_s,
                                     "data_s": r.data_s, "fwd_bwd_s": r.fwd_bwd_s, "optim_s": r.optim_s,
@@ -213,7 +213,7 @@ def raw_calls(session: Session, job_id: str, rng: StepRange, *, ops: Sequence[st
                          C.wire_bytes, C.elements, C.ts, C.id).where(C.job_id == job_id), C)
     if ops:
         q = q.where(C.op.in_(list(ops)))
-    rows = session.execute(q.order_by(C.step, C.seq, C.rank, C.id).limit(limit + 1)).all()
+    rows = session.execute(q.order_by(C.step, C.seq, C.rank, C.attempt, C.id).limit(limit + 1)).all()
     truncated = len(rows) > limit
     rows = rows[:limit]
     latest: dict[tuple[int, int, int], Any] = {}

@@ -28,7 +28,11 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address the controller binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port the controller binds.")
-    controller_url: str = Field("http://127.0.0.1:8000", description="Where clients and agents reach the controller.")
+    controller_url: str = Field(
+        "http://127.0.0.1:8000",
+        description="Where clients and agents reach the controller. Agents also take a comma-separated list "
+        "(controllers sharing one PostgreSQL database; they fail over between them); other clients one URL.",
+    )
     ray_address: str | None = Field(
         None, description="Ray dashboard address for job submission, e.g. http://127.0.0.1:8265; None: jobs are not launched."
     )
@@ -39,8 +43,22 @@ class Settings(BaseSettings):
         300.0, ge=0, description="How long a PENDING job keeps retrying a launch Ray refuses (its agent may be starting)."
     )
     monitor_interval_s: float = Field(0.5, gt=0, description="How often the detectors and recovery run.")
+    monitor_reconnect_grace_s: float = Field(
+        11.0, ge=0, le=600,
+        description="After the controller (re)starts or takes the lead, silence gets this much longer than the node "
+        "timeout before a node is lost or a job hung: an agent that found the controller down retries only after "
+        "its backoff (at most 10 s by default).")
     run_dir: Path = Field(Path("/tmp/vigil"), description="Node-local folder for agent sockets.")
     supervisor_interval_s: float = Field(1.0, gt=0, description="How often the controller polls Ray for job status.")
+    leader_interval_s: float = Field(
+        1.0, gt=0, le=60,
+        description="How often a standby controller tries the leader lock, and the leader checks it still holds it "
+        "(PostgreSQL; controller/leader.py): a standby takes over within about this long of the leader's death.",
+    )
+    controller_id: str | None = Field(
+        None, min_length=1, max_length=128,
+        description="Names this controller in leadership events and logs; default host:pid.",
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body the API accepts.")
     auth_enabled: bool = Field(
         True, description="Every route but /healthz needs a bearer token; false only on a machine you trust alone."

@@ -6,19 +6,21 @@ import gzip
 import logging
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from operator import attrgetter
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controller.host_history import HostHistoryLimits
 from controller.host_history import record as record_host_sample
+from controller.jobs import record_event
 from controller.models import (
-    Base,
+    Fault,
     Job,
     Node,
     TelemetryBatchSeen,
@@ -26,6 +28,7 @@ from controller.models import (
 from controller.schemas import (
     CheckpointSample,
     CollectiveSample,
+    FaultSample,
     NodeState,
     StepSample,
     TelemetryAck,
@@ -61,41 +64,57 @@ def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
 #: Columns of the raw tables, in the order the bulk writers send them (``node_id`` last: it is the
 #: batch's, not the sample's). ``group`` is quoted: it is an SQL keyword.
 STEP_COLUMNS = (
-    "job_id", "rank", "step", "ts", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "data_s",
+    "job_id", "rank", "step", "attempt", "ts", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "data_s",
     "fwd_bwd_s", "optim_s", "comm_s", "comm_wait_s", "val_loss", "dropped",
 )
 COLLECTIVE_COLUMNS = (
-    "job_id", "rank", "step", "seq", "op", "group", "tag", "payload_bytes", "wire_bytes", "elements",
+    "job_id", "rank", "step", "attempt", "seq", "op", "group", "tag", "payload_bytes", "wire_bytes", "elements",
     "duration_s", "ts",
 )
+_OP = COLLECTIVE_COLUMNS.index("op")
+LIVE_OPS = frozenset({"heal", "quorum"})
+"""Collectives of live recovery that are also events of the job (``trainer.live``): a replica healed from
+a live peer, a quorum formed again inside a step because a peer failed."""
 _step_values = attrgetter(*STEP_COLUMNS)
 _collective_values = attrgetter(*COLLECTIVE_COLUMNS)
 _step_key = attrgetter("job_id", "step")
 
 
-def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
-    """Append ``rows`` (tuples in ``columns`` order) to ``table`` inside the session's transaction.
+def bulk_insert(session: Session, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> int:
+    """Add ``rows`` (tuples in ``columns`` order) to ``table`` inside the session's transaction, skipping
+    any row whose unique key is already there (a sample replayed under any batch number, or twice in
+    one batch). Returns how many rows were added.
 
     The hot path of ingest, so it skips SQLAlchemy's per-row parameter processing: PostgreSQL gets
-    ``COPY ... FROM STDIN`` (psycopg 3 encodes rows in C), SQLite one ``executemany`` of a prepared
-    INSERT. Any other backend goes through Core's ``insert()``.
+    ``COPY ... FROM STDIN`` (psycopg 3 encodes rows in C) into a session-local staging table, then
+    one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``; SQLite one ``executemany`` of a prepared
+    ``INSERT ... ON CONFLICT DO NOTHING``. No other backend is supported.
     """
     if not rows:
-        return
+        return 0
     conn = session.connection()
     quoted = ", ".join(f'"{c}"' for c in columns)
     dialect = conn.dialect.name
     if dialect == "postgresql":
+        stage = f"vigil_stage_{table}"
         driver = conn.connection.driver_connection
-        with driver.cursor() as cur, cur.copy(f"COPY {table} ({quoted}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
-    elif dialect == "sqlite":
+        with driver.cursor() as cur:
+            # Created once per connection (temporary tables live as long as it), emptied at commit.
+            cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
+                        f"SELECT {quoted} FROM {table} WITH NO DATA")
+            with cur.copy(f"COPY {stage} ({quoted}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            cur.execute(f"INSERT INTO {table} ({quoted}) SELECT {quoted} FROM {stage} ON CONFLICT DO NOTHING")
+            added = cur.rowcount
+            cur.execute(f"DELETE FROM {stage}")  # a second batch in the same transaction starts empty
+        return added
+    if dialect == "sqlite":
         marks = ", ".join("?" * len(columns))
-        conn.exec_driver_sql(f"INSERT INTO {table} ({quoted}) VALUES ({marks})", rows)
-    else:  # pragma: no cover - only SQLite and PostgreSQL are supported backends
-        tbl = Base.metadata.tables[table]
-        session.execute(insert(tbl), [dict(zip(columns, r)) for r in rows])
+        before = conn.connection.driver_connection.total_changes
+        conn.exec_driver_sql(f"INSERT INTO {table} ({quoted}) VALUES ({marks}) ON CONFLICT DO NOTHING", rows)
+        return conn.connection.driver_connection.total_changes - before
+    raise NotImplementedError(f"telemetry ingest supports SQLite and PostgreSQL, not {dialect}")  # pragma: no cover
 
 
 def mark_dirty(session: Session, steps: Iterable[tuple[str, int]], now: float) -> None:
@@ -117,68 +136,101 @@ def mark_dirty(session: Session, steps: Iterable[tuple[str, int]], now: float) -
     )
 
 
-def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
-           host_history: HostHistoryLimits | None = None) -> TelemetryAck:
-    """Store ``batch`` once. A batch already seen (same agent and seq) is acknowledged and ignored.
+@dataclass
+class Prepared:
+    """One batch's samples of known jobs, ready to store: raw rows in the bulk writers' column order
+    (``node_id`` last), the (job, step) pairs they touch, the step samples job progress is read
+    from, and the rare kinds that take their own code."""
 
-    The raw rows are appended in bulk and every (job, step) they touch is marked dirty, all in the
-    caller's transaction: the aggregates are derived later from what was committed (see
-    :mod:`controller.aggregation`), so a controller killed at any point loses nothing and counts
-    nothing twice. A heartbeat also adds a row to its node's bounded host history
+    steps: list[tuple[Any, ...]]
+    collectives: list[tuple[Any, ...]]
+    touched: set[tuple[str, int]]
+    progress: list[StepSample]
+    checkpoints: list[CheckpointSample] = field(default_factory=list)
+    faults: list[FaultSample] = field(default_factory=list)
+    orphans: int = 0
+
+
+def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: Callable[[set[str]], Prepared],
+          now: float | None = None, host_history: HostHistoryLimits | None = None) -> TelemetryAck:
+    """Store one batch once; the core both wire formats share (:func:`ingest`, and
+    :func:`controller.columnar.ingest_columnar`).
+
+    ``header`` gives the agent, the batch number, the node and the heartbeat; ``job_ids`` every job
+    its samples name; ``prepare(known)`` builds the rows of the samples whose job is in ``known``
+    (samples of unknown jobs are dropped and counted). A batch already seen (agent, seq) is a
+    duplicate. The batch's own row is written first (a concurrent replay fails there, before any
+    bulk work), then each sample once by its unique key (job, rank, step, attempt[, seq]) whatever
+    batch carried it before; then the dirty (job, step) marks, job progress, checkpoints, faults, the
+    node and its heartbeat - all in the caller's transaction: the aggregates are derived later from
+    what was committed (:mod:`controller.aggregation`), so a controller killed at any point loses
+    nothing and counts nothing twice. A heartbeat also adds a row to its node's bounded host history
     (:mod:`controller.host_history`, ``host_history``: its bounds, default :class:`HostHistoryLimits`).
     """
-    seen = session.scalar(
-        select(TelemetryBatchSeen.id).where(
-            TelemetryBatchSeen.agent_id == batch.agent_id, TelemetryBatchSeen.seq == batch.seq
-        )
-    )
+    seen = session.scalar(select(TelemetryBatchSeen.id).where(
+        TelemetryBatchSeen.agent_id == header.agent_id, TelemetryBatchSeen.seq == header.seq))
     if seen is not None:
         return TelemetryAck(accepted=True, duplicate=True, stored=0)
-
-    job_ids = {s.job_id for s in batch.samples}
     known = set(session.scalars(select(Job.id).where(Job.id.in_(job_ids))).all()) if job_ids else set()
-    node = (batch.node_id,)
-    samples = batch.samples
-    if len(known) < len(job_ids):
-        samples = [s for s in samples if s.job_id in known]
-    checkpoints: list[CheckpointSample] = [s for s in samples if s.kind == "checkpoint"]  # type: ignore[misc]
-    if checkpoints:
-        samples = [s for s in samples if s.kind != "checkpoint"]
-    # Comprehensions and C-level getters: this loop runs for every sample ingested.
-    step_samples: list[StepSample] = [s for s in samples if s.kind == "step"]  # type: ignore[misc]
-    steps = [_step_values(s) + node for s in step_samples]
-    colls = [_collective_values(s) + node for s in samples if s.kind == "collective"]
-    touched = set(map(_step_key, samples))
-    stored = len(steps) + len(colls) + len(checkpoints)
-    orphans = len(batch.samples) - stored
-    if orphans:
-        log.warning("batch %s/%s: %d samples for unknown jobs dropped", batch.agent_id, batch.seq, orphans)
-
-    # The batch's own row first: a concurrent replay of it fails here, before any bulk work.
+    rows = prepare(known)
+    if rows.orphans:
+        log.warning("batch %s/%s: %d samples for unknown jobs dropped", header.agent_id, header.seq, rows.orphans)
     try:
-        session.execute(insert(TelemetryBatchSeen).values(agent_id=batch.agent_id, seq=batch.seq, samples=stored))
+        seen_row = session.execute(insert(TelemetryBatchSeen).values(agent_id=header.agent_id, seq=header.seq, samples=0)
+                                   .returning(TelemetryBatchSeen.id)).scalar_one()
     except IntegrityError:
-        # The same batch raced in through another request: it is stored once by that one.
-        session.rollback()
+        session.rollback()  # the same batch raced in through another request: stored once by that one
         return TelemetryAck(accepted=True, duplicate=True, stored=0)
-    bulk_insert(session, "step_metrics", (*STEP_COLUMNS, "node_id"), steps)
-    bulk_insert(session, "collective_metrics", (*COLLECTIVE_COLUMNS, "node_id"), colls)
-    mark_dirty(session, touched, time.time() if now is None else now)
-    if step_samples:
-        _update_job_progress(session, step_samples)
-    if checkpoints:
+    stored = bulk_insert(session, "step_metrics", (*STEP_COLUMNS, "node_id"), rows.steps)
+    stored += bulk_insert(session, "collective_metrics", (*COLLECTIVE_COLUMNS, "node_id"), rows.collectives)
+    stored += len(rows.checkpoints) + len(rows.faults)
+    if stored:
+        session.execute(update(TelemetryBatchSeen).where(TelemetryBatchSeen.id == seen_row).values(samples=stored))
+    mark_dirty(session, rows.touched, time.time() if now is None else now)
+    if rows.progress:
+        update_job_progress(session, rows.progress)
+    if rows.checkpoints:
         from controller.recovery.checkpoints import record_checkpoints
 
-        record_checkpoints(session, checkpoints)
-    _touch_node(session, batch)
-    if batch.heartbeat is not None:
-        record_host_sample(session, batch.node_id, batch.heartbeat.ts, batch.heartbeat.host,
+        record_checkpoints(session, rows.checkpoints)
+    if rows.faults:
+        record_fault_hits(session, rows.faults)
+    if rows.collectives:
+        record_live_events(session, rows.collectives, header.node_id)
+    touch_node(session, header)
+    if header.heartbeat is not None:
+        record_host_sample(session, header.node_id, header.heartbeat.ts, header.heartbeat.host,
                            host_history or HostHistoryLimits())
     session.flush()
     return TelemetryAck(accepted=True, duplicate=False, stored=stored)
 
 
-def _update_job_progress(session: Session, samples: list[StepSample]) -> None:
+def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
+           host_history: HostHistoryLimits | None = None) -> TelemetryAck:
+    """Store a JSON-decoded ``batch`` once (:func:`store`: the rules)."""
+
+    def prepare(known: set[str]) -> Prepared:
+        samples = batch.samples
+        if len(known) < len(job_ids):
+            samples = [s for s in samples if s.job_id in known]
+        node = (batch.node_id,)
+        # Comprehensions and C-level getters: this runs for every sample ingested.
+        step_samples: list[StepSample] = [s for s in samples if s.kind == "step"]  # type: ignore[misc]
+        return Prepared(
+            steps=[_step_values(s) + node for s in step_samples],
+            collectives=[_collective_values(s) + node for s in samples if s.kind == "collective"],
+            touched=set(map(_step_key, (s for s in samples if s.kind in ("step", "collective")))),
+            progress=step_samples,
+            checkpoints=[s for s in samples if s.kind == "checkpoint"],  # type: ignore[misc]
+            faults=[s for s in samples if s.kind == "fault"],  # type: ignore[misc]
+            orphans=len(batch.samples) - len(samples),
+        )
+
+    job_ids = {s.job_id for s in batch.samples}
+    return store(session, batch, job_ids, prepare, now, host_history)
+
+
+def update_job_progress(session: Session, samples: list[StepSample]) -> None:
     latest: dict[str, StepSample] = {}
     for s in samples:
         cur = latest.get(s.job_id)
@@ -194,7 +246,14 @@ def _update_job_progress(session: Session, samples: list[StepSample]) -> None:
         )
 
 
-def _touch_node(session: Session, batch: TelemetryBatch) -> None:
+def record_fault_hits(session: Session, samples: list[FaultSample]) -> None:
+    """The step each in-rank fault really hit, from the rank's report (the first report wins)."""
+    for s in samples:
+        session.execute(update(Fault).where(Fault.id == s.fault_id, Fault.job_id == s.job_id, Fault.hit_step.is_(None))
+                        .values(hit_step=s.step))
+
+
+def touch_node(session: Session, batch: TelemetryBatch) -> None:
     if batch.heartbeat is None and session.scalar(select(Node.agent_id).where(Node.id == batch.node_id)) == batch.agent_id:
         return  # a known node, the same agent, no heartbeat: nothing to change (the common batch)
     node = session.get(Node, batch.node_id)
@@ -216,4 +275,23 @@ def _touch_node(session: Session, batch: TelemetryBatch) -> None:
             node.state = NodeState.ALIVE.value
 
 
-__all__ = ["BodyTooLarge", "CollectiveSample", "decode_body", "ingest"]
+__all__ = ["BodyTooLarge", "CollectiveSample", "Prepared", "decode_body", "ingest", "store"]
+
+
+def record_live_events(session: Session, collectives: Sequence[tuple[Any, ...]], node_id: str) -> None:
+    """An event for each live-recovery record among a batch's collective rows (:data:`LIVE_OPS`), so a heal
+    and a quorum change show on the job's events with their durations."""
+    col = dict(zip(COLLECTIVE_COLUMNS, range(len(COLLECTIVE_COLUMNS)), strict=True))
+    for r in collectives:
+        op = r[_OP]
+        if op not in LIVE_OPS:
+            continue
+        rank, step, seconds = r[col["rank"]], r[col["step"]], float(r[col["duration_s"]])
+        if op == "heal":
+            message = (f"rank {rank} healed from a live peer in {seconds:.2f} s "
+                       f"({r[col['payload_bytes']] / 1e6:.1f} MB of state); it runs step {step} with the others")
+        else:
+            message = (f"rank {rank}: a collective of step {step} failed (a peer left); a new quorum without it "
+                       f"in {seconds:.2f} s, the step run again")
+        record_event(session, f"live_{op}", message, job_id=r[col["job_id"]], node_id=node_id,
+                     data={"rank": rank, "step": step, "seconds": round(seconds, 3), "attempt": r[col["attempt"]]})

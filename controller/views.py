@@ -22,7 +22,7 @@ window. ``markers`` (all of the job's, the newest :data:`MAX_MARKERS`):
 
 * ``incident``: every incident of the job, at ``step_at_detect``;
 * ``checkpoint``: every checkpoint the job reported, at its step (``(invalid)`` when found bad);
-* ``fault``: every ``fault_fired`` event, at the step it records;
+* ``fault``: every ``fault_fired`` event, at the step the fault hit (its ``hit_step``, else the step it records);
 * ``restart``: every ``incident_recovered`` event (the monitor counts a restart there), placed at the
   incident's ``recovered_at`` (the first step after the restart); and the first step of every run of
   re-run steps that no such event covers (a restart Ray made on its own);
@@ -166,7 +166,7 @@ def _latest_rows(session: Session, job_id: str, steps: Sequence[int],
     S = StepMetric
     # Core, not ORM, execution (no per-row ORM processing); (step, id) is the order of the (job_id, step) index.
     for r in session.connection().execute(select(S.step, S.rank, *cols).where(
-            S.job_id == job_id, S.step.in_(list(steps))).order_by(S.step, S.id)).all():
+            S.job_id == job_id, S.step.in_(list(steps))).order_by(S.step, S.attempt, S.id)).all():
         per = out[r[0]]
         if r[1] in per:
             dups.add(r[0])
@@ -182,7 +182,7 @@ def _dup_attempts(session: Session, job_id: str,
     S = StepMetric
     per: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
     for step, rank, ts, t in session.execute(select(S.step, S.rank, S.ts, S.step_time_s).where(
-            S.job_id == job_id, S.step.in_(sorted(st.dups))).order_by(S.id)).all():
+            S.job_id == job_id, S.step.in_(sorted(st.dups))).order_by(S.attempt, S.id)).all():
         per[step].append((rank, ts, t))
     out = {}
     for step, samples in per.items():
@@ -273,7 +273,7 @@ def _forming_wire_bytes(session: Session, job_id: str, steps: Sequence[int]) -> 
     if dup_steps:
         latest: dict[tuple[int, int, int], int] = {}
         for step, rank, seq, wire in session.execute(
-            select(C.step, C.rank, C.seq, C.wire_bytes).where(C.job_id == job_id, C.step.in_(dup_steps)).order_by(C.id)
+            select(C.step, C.rank, C.seq, C.wire_bytes).where(C.job_id == job_id, C.step.in_(dup_steps)).order_by(C.attempt, C.id)
         ).all():
             latest[(step, rank, seq)] = wire
         for (step, _, _), wire in latest.items():
@@ -469,9 +469,11 @@ def job_markers(session: Session, job: Job, st: _Steps | None = None,
             step = data.get("step")
             t = ev.ts.timestamp()
             fault = session.get(Fault, data["fault_id"]) if isinstance(data.get("fault_id"), int) else None
-            if fault is not None and isinstance(step, int):
-                # A fault the rank fires itself (nan_loss, a compute slow rank) is armed at once and hits at
-                # its own step; one the agent carries out fires once the job has reached it.
+            if fault is not None and fault.hit_step is not None:
+                step = fault.hit_step  # the step it really hit (the rank's report, or the agent's)
+            elif fault is not None and isinstance(step, int):
+                # Not reported yet: a fault the rank fires itself is armed at once and hits at its own
+                # step; one the agent carries out fires once the job has reached it.
                 step = max(step, fault.step)
             out.append(JobMarker(kind="fault", step=step if isinstance(step, int) else step_at(t), ts=t,
                                  label=ev.message, ref=str(data["fault_id"]) if "fault_id" in data else None))

@@ -643,7 +643,8 @@ def incident_card(inc: IncidentPublic, phases: Mapping[str, datetime], fault: Fa
     ]
     if fault is not None:
         target = f"rank {fault.rank}" if fault.rank is not None else (fault.node_id or "")
-        body.append(html.Div([html.B("injected fault: "), f"#{fault.id} {fault.kind.value} {target} at step {fault.step}"]))
+        body.append(html.Div([html.B("injected fault: "), f"#{fault.id} {fault.kind.value} {target} at step {fault.step}"
+                             + (f" (hit step {fault.hit_step})" if fault.hit_step not in (None, fault.step) else "")]))
     if inc.step_at_detect is not None:
         body.append(html.Div([html.B("step at detection: "), str(inc.step_at_detect)]))
     body.append(html.Details([html.Summary("evidence"), evidence_table(inc.evidence)], open=True))

@@ -103,7 +103,10 @@ class LiveController:
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
         self.launcher = FakeLauncher()  # the Ray seam; it outlives controller restarts, as Ray does
-        self._settings = {"database_url": f"sqlite:///{self.home / 'vigil.db'}", **settings}
+        # No reconnect grace after a (re)start (production: 11 s for agents to retry): the tests drive the
+        # monitor pass by pass, seconds after the start, with agents that never went away.
+        self._settings = {"database_url": f"sqlite:///{self.home / 'vigil.db'}", "monitor_reconnect_grace_s": 0.0,
+                          **settings}
         self._extend = extend
         self._mount_dashboard = mount_dashboard
         self.port = 0

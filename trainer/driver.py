@@ -45,7 +45,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from controller.schemas import JobCreate, slugify
+from controller.schemas import JobCreate, RecoveryPolicy, slugify
 from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC, ENV_RUN_DIR, storage_path_from_env
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,19 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     )
 
 
+def rank_config(cfg: DriverConfig) -> dict[str, Any]:
+    """What every rank is handed (:func:`trainer.runner.run_rank`)."""
+    from trainer.checkpoint import job_root
+
+    return {
+        "spec": cfg.spec.model_dump(mode="json"),
+        "job_id": cfg.job_id,
+        "run_dir": cfg.run_dir,
+        "checkpoint_root": str(job_root(cfg.storage_path, cfg.job_id)),
+        "report_interval": cfg.report_interval,
+    }
+
+
 def build_trainer(cfg: DriverConfig) -> Any:
     """The ``TorchTrainer`` for ``cfg`` (needs ``ray.init`` before ``fit``)."""
     # Ray Train v2 is chosen when ray.train is first imported; set the switch before that.
@@ -143,7 +156,6 @@ def build_trainer(cfg: DriverConfig) -> Any:
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.torch.torch_trainer import TorchTrainer
 
-    from trainer.checkpoint import job_root
     from trainer.runner import train_loop_per_worker
 
     sc = cfg.spec.scaling
@@ -152,13 +164,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
     )
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "spec": cfg.spec.model_dump(mode="json"),
-            "job_id": cfg.job_id,
-            "run_dir": cfg.run_dir,
-            "checkpoint_root": str(job_root(cfg.storage_path, cfg.job_id)),
-            "report_interval": cfg.report_interval,
-        },
+        train_loop_config=rank_config(cfg),
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers, resources_per_worker={"CPU": sc.cpus_per_worker}, use_gpu=False
@@ -188,6 +194,12 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
     )
     from trainer.checkpoint import job_root
 
+    if cfg.spec.recovery.policy == RecoveryPolicy.LIVE:
+        from trainer.live_driver import run_live
+
+        sc = cfg.spec.scaling
+        return run_live(rank_config(cfg), replicas=sc.max_workers, min_replicas=sc.min_workers,
+                        cpus_per_replica=sc.cpus_per_worker)
     root = job_root(cfg.storage_path, cfg.job_id)
     result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root),
                                    cfg.job_id, again=cfg.spec.recovery.max_restarts > 0)

@@ -6,7 +6,9 @@ the rank's node writes it when the controller fires a fault), holding one JSON o
     {"kind": "nan_loss", "step": 120, "fault_id": 7}
     {"kind": "slow_rank", "step": 40, "factor": 2.0, "fault_id": 8}
 
-``kind``: what to do. ``nan_loss``: the rank's loss of that step is multiplied by NaN before
+``kind``: what to do. ``kill_rank``: the process sends itself SIGKILL as the step begins (a crashed
+rank, at exactly that step). ``hang_rank``: it sends itself SIGSTOP (every thread stops, as a
+rank wedged in a driver or a collective does; the controller's SIGCONT undoes it). ``nan_loss``: the rank's loss of that step is multiplied by NaN before
 ``backward``, so NaN gradients and, unless something guards, NaN parameters follow for real.
 ``slow_rank``: from that step on, the rank's compute phase (forward + backward) takes ``factor``
 times as long (it waits ``factor - 1`` times the phase's own time after it): a slow accelerator,
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +39,11 @@ log = logging.getLogger(__name__)
 
 NAN_LOSS = "nan_loss"
 SLOW_RANK = "slow_rank"
-KNOWN_KINDS = frozenset({NAN_LOSS, SLOW_RANK})
+KILL_RANK = "kill_rank"
+HANG_RANK = "hang_rank"
+KNOWN_KINDS = frozenset({NAN_LOSS, SLOW_RANK, KILL_RANK, HANG_RANK})
+PROCESS_KINDS = frozenset({KILL_RANK, HANG_RANK})
+"""Kinds :func:`carry_out` does to this process (the others change what the step computes)."""
 MAX_SLOW_FACTOR = 100.0
 
 
@@ -108,3 +115,15 @@ class FaultHook:
             log.warning("ignoring fault file %s: unknown kind %r (known: %s)", self.path, kind, sorted(KNOWN_KINDS))
             return None
         return Fault(kind=kind, step=step, fault_id=fault_id, factor=float(factor))
+
+
+def carry_out(fault: Fault) -> None:
+    """Do a process kind (:data:`PROCESS_KINDS`) to this process, now; other kinds: nothing.
+
+    ``kill_rank`` does not return. ``hang_rank`` returns once someone sends SIGCONT.
+    """
+    if fault.kind == KILL_RANK:
+        logging.shutdown()  # the warning above reaches the log before the process goes
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == HANG_RANK:
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -98,27 +98,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray
     import ray.train
 
-    from controller.settings import agent_socket_path, get_settings
-    from trainer.telemetry import RankTelemetry
-
     # Ray Train runs this function in a thread of the worker process, whose main thread idles in Ray's
     # worker loop: the name lets a py-spy dump of a hung rank be read from the right thread.
     threading.current_thread().name = TRAINING_THREAD
-    spec = JobCreate.model_validate(config["spec"])
-    entry = parse_entrypoint(spec.entrypoint)
-    job_id = str(config["job_id"])
     tctx = ray.train.get_context()
     rank = tctx.get_world_rank()
-    ray_node_id = ray.get_runtime_context().get_node_id()
-    try:
-        node = ray_node_name(ray_node_id, ray.nodes())
-    except Exception as e:  # noqa: BLE001 - the node id still identifies the node, only less durably
-        log.warning("rank %d: cannot read Ray's node names (%s); using the node id", rank, e)
-        node = ray_node_id
-    run_dir = Path(config.get("run_dir") or get_settings().run_dir)
-    root = config.get("checkpoint_root")
-    if root is None:
-        root = checkpoint.job_root(storage_path_from_env(), job_id)
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         # Rank 0 alone hands Ray Train a pointer to the complete checkpoint (module docstring of
@@ -134,23 +118,55 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         return ray.train.get_preemption_info() is not None
 
     resume = ray.train.get_checkpoint()
-    with RankTelemetry(agent_socket_path(run_dir, node)) as telemetry, (
-        resume.as_directory() if resume is not None else nullcontext(None)
-    ) as restore_dir:
+    with resume.as_directory() if resume is not None else nullcontext(None) as restore_dir:
+        run_rank(config, rank, tctx.get_world_size(), report=report, preemption_pending=preemption_pending,
+                 restore_dir=Path(restore_dir) if restore_dir is not None else None)
+
+
+def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.ReportFn | None = None,
+             preemption_pending: Callable[[], bool] | None = None, restore_dir: Path | None = None,
+             live: Any = None) -> sdk.TrainSummary:
+    """One rank of the job under Ray (Ray Train's worker, or a live replica's actor): its context (node,
+    agent socket, fault file, checkpoint root), then the job's entry point in a session."""
+    import ray
+
+    from controller.settings import agent_socket_path, get_settings
+    from trainer.telemetry import RankTelemetry
+
+    spec = JobCreate.model_validate(config["spec"])
+    entry = parse_entrypoint(spec.entrypoint)
+    job_id = str(config["job_id"])
+    ray_node_id = ray.get_runtime_context().get_node_id()
+    try:
+        node = ray_node_name(ray_node_id, ray.nodes())
+    except Exception as e:  # noqa: BLE001 - the node id still identifies the node, only less durably
+        log.warning("rank %d: cannot read Ray's node names (%s); using the node id", rank, e)
+        node = ray_node_id
+    run_dir = Path(config.get("run_dir") or get_settings().run_dir)
+    root = config.get("checkpoint_root")
+    if root is None:
+        root = checkpoint.job_root(storage_path_from_env(), job_id)
+    extra: dict[str, Any] = {}
+    if report is not None:
+        extra["report"] = report
+    if preemption_pending is not None:
+        extra["preemption_pending"] = preemption_pending
+    with RankTelemetry(agent_socket_path(run_dir, node)) as telemetry:
         ctx = sdk.RankContext(
             rank=rank,
-            world_size=tctx.get_world_size(),
+            world_size=world_size,
             job_id=job_id,
             node_id=node,
-            report=report,
             telemetry=telemetry,
             checkpoint_root=Path(root),
-            restore_dir=Path(restore_dir) if restore_dir is not None else None,
-            preemption_pending=preemption_pending,
+            restore_dir=restore_dir,
             report_interval=int(config.get("report_interval") or sdk.REPORT_INTERVAL_STEPS),
             fault_file=fault_file_path(run_dir, job_id, rank),
+            live=live,
+            **extra,
         )
         summary = sdk.run(lambda cfg: run_entrypoint(entry, cfg), ctx, spec)
         if telemetry.dropped_total:
             log.info("rank %d: %d telemetry samples dropped (no agent or agent busy)", ctx.rank, telemetry.dropped_total)
     log.info("rank %d (node %s) finished at step %d", ctx.rank, node, summary.final_step)
+    return summary

@@ -2,18 +2,27 @@
 
 Transport: a non-blocking unix datagram socket (``AF_UNIX``/``SOCK_DGRAM``) addressed to the agent's
 socket path (:func:`controller.settings.agent_socket_path`). Datagrams keep message boundaries (no
-framing) and a send either goes into the kernel queue at once or fails at once; nothing is queued in
-the rank, so a dead or slow agent costs the training step one failed syscall and never memory.
+framing) and a send either goes into the kernel queue at once or fails at once: a dead or slow agent
+costs the training step a failed syscall, never a wait.
+
+Nothing lost to an agent that restarts: the rank keeps its datagrams in a bounded backlog
+(:data:`BACKLOG_BYTES`). One the agent could not take (absent: ``ENOENT``, ``ECONNREFUSED``; busy:
+``EAGAIN``, ``ENOBUFS``; Linux queues only ``net.unix.max_dgram_qlen`` datagrams per socket, 10 by
+default) waits there and goes out, in order, at the next send that finds the agent. One the agent
+took stays :data:`REPLAY_WINDOW_S` seconds: an agent killed (``kill -9``) before its batch reached
+the controller or its disk spool loses what it held in memory, so when the agent's socket is a new
+one (another inode or creation time: the agent restarted) the rank sends the window again. Re-sent samples the
+controller already has cost nothing: it stores each sample once, by its key (job, rank, step, run
+attempt[, call seq]).
 
 Wire format: every datagram is a UTF-8 JSON array of sample objects (``StepSample`` /
 ``CollectiveSample`` / ``CheckpointSample`` as dicts, each carrying its ``kind``), at most
 :data:`MAX_DATAGRAM_BYTES`.
 Larger lists are split across datagrams.
 
-Loss accounting: when the agent is absent (``ENOENT``, ``ECONNREFUSED``) or its queue is full
-(``EAGAIN``, ``ENOBUFS``; Linux queues only ``net.unix.max_dgram_qlen`` datagrams per socket,
-10 by default), the samples are dropped and counted. The count rides in the ``dropped`` field of
-the next ``StepSample`` that gets through, and restarts from zero once delivered.
+Loss accounting: samples are dropped only when the backlog is full of undelivered ones (the oldest
+go first), or when one cannot be encoded or alone exceeds a datagram; they are counted, and the count
+rides in the ``dropped`` field of the next ``StepSample`` sent (lost again if that one is dropped).
 """
 
 from __future__ import annotations
@@ -24,13 +33,15 @@ import logging
 import math
 import os
 import socket
+import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, Self
 
 from pydantic import ValidationError
 
-from controller.schemas import CheckpointSample, CollectiveSample, StepSample
+from controller.schemas import CheckpointSample, CollectiveSample, FaultSample, StepSample
 from trainer.comm import CollectiveRecord
 
 log = logging.getLogger(__name__)
@@ -47,6 +58,11 @@ def telemetry_enabled() -> bool:
 
 MAX_DATAGRAM_BYTES = 60_000
 """Largest datagram sent; well under Linux's default unix socket send buffer (~208 KiB)."""
+BACKLOG_BYTES = 8 << 20
+"""Most bytes of datagrams a rank keeps (undelivered ones, and delivered ones in the replay window)."""
+REPLAY_WINDOW_S = 30.0
+"""How long a delivered datagram is kept to be sent again should the agent turn out to have restarted:
+longer than the agent holds samples before they are safe (its batch interval plus a post)."""
 SEND_BUFFER_BYTES = 1 << 20
 """Send buffer asked for (capped by ``net.core.wmem_max``). A unix datagram stays charged to the
 sender until the agent reads it, so the default ~208 KiB holds only three full datagrams; 1 MiB
@@ -65,6 +81,9 @@ class TelemetrySink(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: ``send_fault(sample: FaultSample)``, the step an injected fault hit (RankTelemetry has
+    # it; a sink without it only leaves the fault's ``hit_step`` unknown).
+
 
 class NullTelemetry:
     """A sink that discards everything (telemetry disabled)."""
@@ -73,6 +92,9 @@ class NullTelemetry:
         return None
 
     def send_checkpoint(self, sample: CheckpointSample) -> None:
+        return None
+
+    def send_fault(self, sample: FaultSample) -> None:
         return None
 
     def close(self) -> None:
@@ -101,14 +123,15 @@ def finite_or_none(x: float | None) -> float | None:
 
 
 def collective_samples(
-    records: Sequence[CollectiveRecord], *, job_id: str, rank: int
+    records: Sequence[CollectiveRecord], *, job_id: str, rank: int, attempt: int = 0
 ) -> list[CollectiveSample]:
-    """The communication layer's records as wire samples."""
+    """The communication layer's records as wire samples (of run attempt ``attempt``)."""
     return [
         CollectiveSample(
             job_id=job_id,
             rank=rank,
             step=r.step,
+            attempt=attempt,
             seq=r.seq,
             op=r.op,
             group=r.group,
@@ -159,7 +182,8 @@ def pack(encoded: Sequence[bytes], limit: int = MAX_DATAGRAM_BYTES) -> tuple[lis
 class RankTelemetry:
     """Sends a rank's samples to its node agent. Never blocks, never raises into the caller."""
 
-    def __init__(self, socket_path: str | Path, *, max_datagram_bytes: int = MAX_DATAGRAM_BYTES) -> None:
+    def __init__(self, socket_path: str | Path, *, max_datagram_bytes: int = MAX_DATAGRAM_BYTES,
+                 backlog_bytes: int = BACKLOG_BYTES, replay_window_s: float = REPLAY_WINDOW_S) -> None:
         self.socket_path = str(socket_path)
         self.max_datagram_bytes = max_datagram_bytes
         self.dropped = 0
@@ -167,7 +191,17 @@ class RankTelemetry:
         self.dropped_total = 0
         """Samples dropped since this object was created."""
         self.sent_total = 0
-        """Samples delivered to the agent's socket since this object was created."""
+        """Samples delivered to the agent's socket since this object was created (a replayed one again)."""
+        self.replays = 0
+        """Times the replay window was sent again to a restarted agent."""
+        self.backlog_bytes = backlog_bytes
+        self.replay_window_s = replay_window_s
+        # [datagram, samples in it, drops it carries, monotonic time delivered]; the last `_unsent`
+        # entries are not delivered yet, the ones before them are (kept for a replay).
+        self._backlog: deque[list[Any]] = deque()
+        self._backlog_bytes = 0
+        self._unsent = 0
+        self._agent_inode: tuple[int, int] | None = None
         self.enabled = telemetry_enabled()
         """False under ``VIGIL_TELEMETRY=off``: every call returns at once."""
         self._warned: set[int] = set()
@@ -199,32 +233,29 @@ class RankTelemetry:
             return False
 
     def send(self, samples: Sequence[StepSample | CollectiveSample | CheckpointSample | dict[str, Any]]) -> int:
-        """Send ``samples`` in as few datagrams as fit; returns how many were delivered.
+        """Queue ``samples`` in as few datagrams as fit and send what the agent will take now (these and
+        any backlog, oldest first); returns how many samples were delivered by this call.
 
-        The first ``StepSample`` of the list carries the pending drop count; the count is cleared
-        only if the datagram holding it is delivered.
+        The first ``StepSample`` of the list carries the pending drop count.
         """
         if not self.enabled:
             return 0
         items: list[dict[str, Any]] = []
-        carrier = -1
+        carried = 0
         for s in samples:
             d = dict(s) if isinstance(s, dict) else s.model_dump(mode="json")
             if d.get("kind") in ("step", "checkpoint"):
                 d["loss"] = finite_or_none(d.get("loss"))
             if d.get("kind") == "step":
                 d["val_loss"] = finite_or_none(d.get("val_loss"))
-                if carrier < 0:
-                    carrier = len(items)
-                    d["dropped"] = self.dropped
+                if not carried and self.dropped:
+                    carried, self.dropped = self.dropped, 0
+                    d["dropped"] = carried
             items.append(d)
-        carried = self.dropped if carrier >= 0 else 0
         encoded: list[bytes] = []
-        origin: list[int] = []  # index in `items` of each encoded sample
-        for i, d in enumerate(items):
+        for d in items:
             try:
                 encoded.append(encode(d))
-                origin.append(i)
             except (TypeError, ValueError) as e:  # unserialisable sample: a bug, but not the step's problem
                 log.warning("telemetry: cannot encode a %s sample: %s", d.get("kind"), e)
                 self._drop(1)
@@ -232,15 +263,53 @@ class RankTelemetry:
         if oversize:
             log.warning("telemetry: %d sample(s) over %d bytes dropped", len(oversize), self.max_datagram_bytes)
             self._drop(len(oversize))
-        delivered = 0
         for dg, idx in datagrams:
-            if self._sendto(dg):
-                delivered += len(idx)
-                self.sent_total += len(idx)
-                if carrier >= 0 and any(origin[j] == carrier for j in idx):
-                    self.dropped -= carried
-            else:
-                self._drop(len(idx))
+            self._queue(dg, len(idx), carried)
+            carried = 0  # the first datagram holds the carrier
+        return self.flush()
+
+    def _queue(self, datagram: bytes, count: int, carried: int) -> None:
+        """Add a datagram at the backlog's end; make room by forgetting the oldest (counted if undelivered)."""
+        backlog = self._backlog
+        backlog.append([datagram, count, carried, 0.0])
+        self._backlog_bytes += len(datagram)
+        self._unsent += 1
+        while self._backlog_bytes > self.backlog_bytes and len(backlog) > 1:
+            old = backlog.popleft()
+            self._backlog_bytes -= len(old[0])
+            if len(backlog) < self._unsent:  # it was never delivered
+                self._unsent -= 1
+                self._drop(old[1] + old[2])  # its samples, and the drops it was carrying
+
+    def flush(self) -> int:
+        """Send the backlog's undelivered datagrams, oldest first, until the agent takes no more; the
+        whole replay window again when the agent's socket is a new one. Returns samples delivered."""
+        backlog = self._backlog
+        now = time.monotonic()
+        while len(backlog) > self._unsent and now - backlog[0][3] > self.replay_window_s:
+            self._backlog_bytes -= len(backlog.popleft()[0])  # delivered long enough ago: safe
+        if not self._unsent and not backlog:
+            return 0
+        try:
+            st = os.stat(self.socket_path)
+            inode: tuple[int, int] | None = (st.st_ino, st.st_ctime_ns)  # an inode number is soon reused
+        except OSError:
+            inode = None  # no agent: the sends below fail and keep the backlog
+        if inode is not None and self._agent_inode is not None and inode != self._agent_inode:
+            self._unsent = len(backlog)  # a new agent: what the old one held may be gone
+            self.replays += 1
+        delivered = 0
+        first = len(backlog) - self._unsent
+        for i in range(first, len(backlog)):
+            entry = backlog[i]
+            if not self._sendto(entry[0]):
+                break
+            entry[3] = now
+            self._unsent -= 1
+            delivered += entry[1]
+            if inode is not None:
+                self._agent_inode = inode
+        self.sent_total += delivered
         return delivered
 
     def _drop(self, n: int) -> None:
@@ -251,11 +320,17 @@ class RankTelemetry:
         """One step: its ``StepSample`` first, then one ``CollectiveSample`` per communication record."""
         if not self.enabled:  # before building the collective samples: off costs nothing
             return
-        self.send([sample, *collective_samples(records, job_id=sample.job_id, rank=sample.rank)])
+        self.send([sample, *collective_samples(records, job_id=sample.job_id, rank=sample.rank, attempt=sample.attempt)])
 
     def send_checkpoint(self, sample: CheckpointSample) -> None:
         """A checkpoint sample (rank 0, once a checkpoint is complete or found invalid)."""
         self.send([sample])
+
+    def send_fault(self, sample: FaultSample) -> None:
+        """An injected fault this rank is about to carry out (the step it hit), sent at once after any
+        backlog. Sent even with telemetry off: it is the fault's record, not a measurement."""
+        self._queue(b"[" + encode(sample.model_dump()) + b"]", 1, 0)  # a datagram is a JSON array
+        self.flush()
 
     def close(self) -> None:
         if self._sock is not None:

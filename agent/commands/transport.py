@@ -1,11 +1,14 @@
 """The HTTP side of commands: the :class:`CommandTransport` seam the runner polls and answers
-through, and :class:`ClientCommandTransport`, the real one on :class:`~controller.client.VigilClient`.
+through, and :class:`ClientCommandTransport`, the real one on :class:`~controller.client.VigilClient`,
+which polls and answers through whichever of the agent's controllers is up (:mod:`agent.failover`;
+an answer made again on another controller is idempotent there).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from agent.failover import FailoverClient
 from controller.client import VigilClient
 from controller.schemas import CommandResult, NodeCommand
 
@@ -19,14 +22,15 @@ class CommandTransport(Protocol):
 
 
 class ClientCommandTransport:
-    """The real transport: :meth:`VigilClient.node_commands` / :meth:`VigilClient.post_command_result`."""
+    """The real transport: :meth:`VigilClient.node_commands` / :meth:`VigilClient.post_command_result`
+    on the controller that answers (a single client is one controller)."""
 
-    def __init__(self, client: VigilClient, node_id: str) -> None:
-        self.client = client
+    def __init__(self, client: VigilClient | FailoverClient, node_id: str) -> None:
+        self.client = client if isinstance(client, FailoverClient) else FailoverClient([client], [""])
         self.node_id = node_id
 
     def fetch(self) -> list[NodeCommand]:
-        return list(self.client.node_commands(self.node_id, status="PENDING").data)
+        return list(self.client.call(lambda c: c.node_commands(self.node_id, status="PENDING")).data)
 
     def post_result(self, command_id: int, result: CommandResult) -> None:
-        self.client.post_command_result(self.node_id, command_id, result)
+        self.client.call(lambda c: c.post_command_result(self.node_id, command_id, result))

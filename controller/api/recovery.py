@@ -57,14 +57,19 @@ def _incident_public(i: Incident) -> IncidentPublic:
 
 
 @router.post("/jobs/{job_id}/faults", status_code=status.HTTP_201_CREATED, response_model=FaultPublic)
-def inject_fault(job_id: JobId, body: FaultCreate, session: SessionDep) -> FaultPublic:
+def inject_fault(job_id: JobId, body: FaultCreate, session: SessionDep, request: Request) -> FaultPublic:
     """Inject a real fault into a running job once it reaches ``step`` (see docs/RECOVERY.md)."""
     job = _job(session, job_id)
     try:
         f = faults.create_fault(session, job, body)
     except ValueError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from exc
-    return faults.to_public(f)
+    out = faults.to_public(f)
+    session.commit()
+    # Arm it now rather than at the monitor's next pass: a fault the rank carries out is exact only
+    # if its file reaches the rank before the step (a standby's idle monitor ignores the wake).
+    request.app.state.monitor.wake()
+    return out
 
 
 @router.get("/jobs/{job_id}/faults", response_model=FaultsPublic)

@@ -1,11 +1,13 @@
 """Telemetry ingest throughput of a real controller (uvicorn subprocess) on SQLite and PostgreSQL.
 
-``vigil bench ingest [--json] [--ranks N] [--collectives K] [--samples S] [--backend sqlite|postgresql|both]``
+``vigil bench ingest [--json] [--ranks N] [--collectives K] [--samples S] [--backend sqlite|postgresql|both]
+[--format columnar|json] [--workers N]``
 
 A load generator plays ``--agents`` node agents of a job with ``--ranks`` ranks and ``--collectives``
 collective calls per rank and step: every rank reports a StepSample and K CollectiveSamples per step,
 each agent for its slice of the ranks, in gzip batches of ``--batch`` samples (the agent's default
-2,000), numbered per agent, posted with an agent token by ``--concurrency`` connections at once,
+2,000), numbered per agent, encoded as the agents encode them (``--format``: ``columnar``, the
+default, to ``POST /telemetry/columnar``; ``json`` to ``POST /telemetry``), posted with an agent token by ``--concurrency`` connections at once,
 as fast as the controller acknowledges them. The bodies are built before the clock starts, so the
 generator costs the controller's CPUs as little as possible.
 
@@ -23,6 +25,16 @@ JSON (``--json``): a list with one object per backend: ``backend``, ``ranks``, `
 the controller process used while the posts ran: it is single-process, so its ceiling is one core) and
 ``samples_per_controller_cpu_s`` (the throughput one free core would give; this machine is shared, so
 the wall-clock figure depends on what else runs: ``load_average`` is the 1-minute load at the end).
+
+What bounds it: ``db_bound_samples_per_s`` is the database's own rate for the same rows, measured in
+the same run on a fresh database of the same backend: :func:`controller.telemetry.bulk_insert` of the
+batches' rows, one transaction per batch, one connection, no HTTP and no decoding (the rows are built
+before each batch's clock starts). ``workers``: the controller's uvicorn worker processes
+(``--workers``; ``controller_cpu_s`` sums them all). The job is marked running, so the monitor runs
+its detectors on it while the posts flood in; ``monitor_pass_s`` is the longest monitor pass seen
+during the run (read from ``vigil_monitor_pass_seconds`` / ``vigil_monitor_last_pass_seconds`` on
+``/metrics`` once a second: :class:`MonitorWatch`), ``monitor_pass_p50_s`` the median,
+``monitor_passes`` how many ran.
 """
 
 from __future__ import annotations
@@ -44,8 +56,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
+import numpy as np
 
 from controller.probe import free_port
 
@@ -80,6 +94,12 @@ class Result:
     controller_cpu_s: float
     samples_per_controller_cpu_s: float
     load_average: float
+    format: str = "columnar"
+    workers: int = 1
+    db_bound_samples_per_s: float | None = None
+    monitor_pass_s: float | None = None
+    monitor_pass_p50_s: float | None = None
+    monitor_passes: int = 0
 
 
 def build_bodies(job_id: str, ranks: int, collectives: int, samples: int, agents: int, batch: int) -> list[bytes]:
@@ -124,6 +144,215 @@ def build_bodies(job_id: str, ranks: int, collectives: int, samples: int, agents
         if pending[a]:
             cut(a)
     return bodies
+
+
+@dataclass
+class Batch:
+    """One agent batch of the columnar load: its rank groups (a step sample and ``collectives``
+    collective samples per (rank, step)), as arrays."""
+
+    agent: int
+    seq: int
+    rank: np.ndarray
+    step: np.ndarray
+
+
+def plan_batches(ranks: int, collectives: int, samples: int, agents: int, batch: int) -> list[Batch]:
+    """The same load as :func:`build_bodies` (steps in order, ranks split over agents, whole rank
+    groups per batch), as arrays: group ``g`` is rank ``g % ranks`` at step ``g // ranks``."""
+    agents = max(1, min(agents, ranks))
+    per = 1 + collectives
+    groups = -(-samples // per)
+    g = np.arange(groups, dtype=np.int64)
+    rank, step = g % ranks, g // ranks
+    bounds = [a * ranks // agents for a in range(agents + 1)]
+    owner = np.searchsorted(bounds, rank, side="right") - 1
+    per_batch = max(1, batch // per)
+    out: list[tuple[int, Batch]] = []
+    for a in range(agents):
+        idx = np.flatnonzero(owner == a)
+        for seq, start in enumerate(range(0, len(idx), per_batch)):
+            part = idx[start:start + per_batch]
+            out.append((int(part[-1]), Batch(a, seq, rank[part], step[part])))
+    out.sort(key=lambda x: x[0])  # in the order the JSON generator cuts them
+    return [b for _, b in out]
+
+
+_STRINGS = ["", "all_reduce", "world", "grads"]  # string 0 is the job id, filled in per run
+
+
+def batch_columns(b: Batch, ranks: int, collectives: int, t0: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The batch's step and collective columns (the values :func:`build_bodies` writes as JSON)."""
+    n = len(b.rank)
+    slow = 1.0 + 0.5 * (b.rank == ranks - 1)
+    ts = t0 + b.step * 0.1
+    step = {
+        "job_id": np.zeros(n, "<u4"), "rank": b.rank, "world_size": np.full(n, ranks, "<i8"), "step": b.step,
+        "ts": ts, "loss": 3.0 - b.step * 1e-3, "lr": np.full(n, 0.001), "tokens": np.full(n, 512, "<i8"),
+        "step_time_s": 0.1 * slow, "tokens_per_s": np.full(n, 4096.0), "data_s": np.full(n, 0.002),
+        "fwd_bwd_s": np.full(n, 0.06), "optim_s": np.full(n, 0.004), "comm_s": np.full(n, 0.02 * collectives),
+        "pid": 10_000 + b.rank,
+    }
+    k = collectives
+    r = np.repeat(b.rank, k)
+    coll = {
+        "job_id": np.zeros(n * k, "<u4"), "rank": r, "step": np.repeat(b.step, k),
+        "seq": np.tile(np.arange(k, dtype=np.int64), n), "op": np.full(n * k, 1, "<u4"),
+        "group": np.full(n * k, 2, "<u4"), "tag": np.full(n * k, 3, "<u4"),
+        "payload_bytes": np.full(n * k, 4194304, "<i8"), "wire_bytes": np.full(n * k, 8386560, "<i8"),
+        "elements": np.full(n * k, 1048576, "<i8"),
+        "duration_s": 0.002 + 0.0001 * (r % 7) + 0.001 * (np.repeat(slow, k) - 1.0), "ts": np.repeat(ts, k),
+    }
+    return step, coll
+
+
+def build_columnar_bodies(job_id: str, ranks: int, collectives: int, samples: int, agents: int, batch: int
+                          ) -> list[bytes]:
+    """Gzip columnar bodies (:mod:`agent.columnar`) of the same load as :func:`build_bodies`."""
+    from agent.columnar import encode_blocks
+    from controller.schemas.columnar import ColumnBlock, column_specs
+
+    strings = [job_id, *_STRINGS[1:]]
+    t0 = time.time()
+    bodies = []
+    for b in plan_batches(ranks, collectives, samples, agents, batch):
+        step, coll = batch_columns(b, ranks, collectives, t0)
+        blocks = []
+        for kind, cols in (("step", step), ("collective", coll)):
+            specs = column_specs(kind)
+            n = len(cols["job_id"])
+            blocks.append(ColumnBlock(n=n, columns={k: np.ascontiguousarray(v, specs[k].dtype).tobytes()
+                                                    for k, v in cols.items()}) if n else None)
+        header = json.dumps({"agent_id": f"bench-agent-{b.agent}", "node_id": f"bench-node-{b.agent}",
+                             "seq": b.seq, "sent_at": time.time()}).encode()
+        bodies.append(gzip.compress(encode_blocks(header, strings, blocks[0], blocks[1]), compresslevel=1))
+    return bodies
+
+
+def db_bound(backend: str, home: Path, *, ranks: int, collectives: int, samples: int, agents: int, batch: int
+             ) -> float:
+    """Samples per second the database itself takes for the same rows: :func:`controller.telemetry.bulk_insert`
+    straight into a fresh database of ``backend``, one transaction per batch, no HTTP, no decoding."""
+    from controller import migrate
+    from controller.db import make_engine, make_session_factory
+    from controller.models import Job
+    from controller.telemetry import COLLECTIVE_COLUMNS, STEP_COLUMNS, bulk_insert
+
+    bound_home = home / "db-bound"
+    bound_home.mkdir(parents=True, exist_ok=True)
+    with _database(backend, bound_home) as url:
+        migrate.upgrade(url)
+        engine = make_engine(url)
+        try:
+            sessions = make_session_factory(engine)
+            job_id = "bench-bound"
+            with sessions() as s:
+                s.add(Job(id=job_id, name="bench-bound", status="running", spec={}))
+                s.commit()
+            t0 = time.time()
+            stored, spent = 0, 0.0
+            for b in plan_batches(ranks, collectives, samples, agents, batch):
+                step, coll = batch_columns(b, ranks, collectives, t0)
+                node = f"bench-node-{b.agent}"
+                rows = []
+                for cols, names in ((step, STEP_COLUMNS), (coll, COLLECTIVE_COLUMNS)):
+                    n = len(cols["rank"])
+                    lists = [[job_id] * n if c == "job_id" else
+                             [_STRINGS[i] for i in cols[c].tolist()] if c in ("op", "group", "tag") else
+                             cols[c].tolist() if c in cols else [None if c not in ("attempt", "dropped") else 0] * n
+                             for c in names]
+                    rows.append(list(zip(*lists, [node] * n, strict=True)))
+                t = time.perf_counter()
+                with sessions() as s:
+                    stored += bulk_insert(s, "step_metrics", (*STEP_COLUMNS, "node_id"), rows[0])
+                    stored += bulk_insert(s, "collective_metrics", (*COLLECTIVE_COLUMNS, "node_id"), rows[1])
+                    s.commit()
+                spent += time.perf_counter() - t
+            return stored / max(spent, 1e-9)
+        finally:
+            engine.dispose()
+
+
+class MonitorWatch:
+    """Reads the monitor's pass time off ``/metrics`` every ``period`` seconds while the posts run.
+
+    Each scrape costs the controller a few database reads, so it is not done more often than a
+    second: the histogram's bucket counts (their growth between the first and the last scrape) give
+    every pass's bucket, the latest-pass gauge a sample of exact durations. With several workers a
+    scrape reaches any of them; only the leader's answers (the monitor runs there) count.
+    """
+
+    def __init__(self, base: str, token: str, period: float = 1.0) -> None:
+        self.base, self.token, self.period = base, token, period
+        self.samples: dict[int, float] = {}  # pass count -> the latest pass's duration then
+        self.first: dict[float, float] | None = None  # bucket bound -> cumulative count, at the first scrape
+        self.last: dict[float, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-monitor-watch", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._scrape()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._scrape()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._scrape()
+
+    def _scrape(self) -> None:
+        try:
+            text = httpx.get(f"{self.base}/metrics", headers={"Authorization": f"Bearer {self.token}"},
+                             timeout=10).text
+        except httpx.HTTPError:
+            return
+        count = _metric(text, "vigil_monitor_pass_seconds_count")
+        if not count:
+            return  # a worker that does not lead (or no pass yet)
+        buckets = {float(le): v for le, v in _buckets(text, "vigil_monitor_pass_seconds_bucket").items()}
+        if self.first is None:
+            self.first = buckets
+        else:
+            self.samples[int(count)] = float(_metric(text, "vigil_monitor_last_pass_seconds") or 0.0)
+        self.last = buckets
+
+    def summary(self) -> tuple[float | None, float | None, int]:
+        """(longest pass, median pass, passes) during the watch: the longest and the median are the
+        larger of the longest sampled pass and the lower bound of the highest bucket that grew."""
+        if self.first is None or self.last is None:
+            return None, None, 0
+        grew = {le: self.last[le] - self.first.get(le, 0.0) for le in sorted(self.last)}
+        passes = int(grew.get(float("inf"), 0.0))
+        if passes == 0:
+            return None, None, 0
+        bounds = sorted(grew)
+        lower = {b: (bounds[i - 1] if i else 0.0) for i, b in enumerate(bounds)}
+        top = next(b for b in bounds if grew[b] >= passes)  # every pass is at or under this bound
+        mid = next(b for b in bounds if grew[b] >= passes / 2)
+        seen = sorted(self.samples.values())
+        longest = max([lower[top], *seen])
+        median = seen[len(seen) // 2] if seen else lower[mid]
+        return round(longest, 4), round(median, 4), passes
+
+
+def _buckets(text: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out["inf" if le == "+Inf" else le] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 @contextmanager
@@ -196,16 +425,39 @@ def _dirty_steps(url: str) -> int:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (the controller's own work, whatever else runs)."""
+    """User + system CPU seconds of ``pid`` and its live children so far (the controller's own work,
+    its worker processes included, whatever else runs)."""
     import psutil
 
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in (proc, *proc.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return float(total)
+
+
+def _mark_running(url: str, job_id: str) -> None:
+    """The job as if Ray ran it: the monitor then runs its detectors on it during the flood."""
+    from sqlalchemy import update
+
+    from controller.db import make_engine
+    from controller.models import Job
+
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(update(Job).where(Job.id == job_id).values(status="running"))
+    finally:
+        engine.dispose()
 
 
 @contextmanager
-def controller_process(url: str, home: Path, pid_out: list[int] | None = None, aggregate: bool = True
-                       ) -> Iterator[str]:
+def controller_process(url: str, home: Path, pid_out: list[int] | None = None, aggregate: bool = True,
+                       workers: int = 1) -> Iterator[str]:
     """``vigil controller`` on a free loopback port, stopped (and waited for) on exit."""
     port = free_port()
     env = dict(os.environ, VIGIL_HOME=str(home), VIGIL_DATABASE_URL=url, VIGIL_PORT=str(port),
@@ -216,7 +468,8 @@ def controller_process(url: str, home: Path, pid_out: list[int] | None = None, a
         env["VIGIL_AGGREGATE_SETTLE_S"] = "100000"
     log_path = home / "controller.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "controller", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "controller", "--port", str(port),
+                                 "--workers", str(workers)],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     if pid_out is not None:
@@ -259,19 +512,29 @@ def _aggregate_all(url: str) -> float:
 
 
 def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, agents: int, batch: int,
-                concurrency: int, wait_aggregates: float, aggregate_during: bool = True) -> Result:
+                concurrency: int, wait_aggregates: float, aggregate_during: bool = True, fmt: str = "columnar",
+                workers: int = 1, measure_bound: bool = True) -> Result:
     home = Path(tempfile.mkdtemp(prefix="vigil-bench-ingest-"))
     try:
+        bound = None
+        if measure_bound:
+            log.info("%s: the database's own bound (bulk_insert, no HTTP)", backend)
+            bound = db_bound(backend, home, ranks=ranks, collectives=collectives, samples=samples, agents=agents,
+                             batch=batch)
         with _database(backend, home) as url:
             admin, agent = _tokens(url)
             proc_pid: list[int] = []
-            with controller_process(url, home, proc_pid, aggregate=aggregate_during) as base:
+            with controller_process(url, home, proc_pid, aggregate=aggregate_during, workers=workers) as base:
                 job = httpx.post(f"{base}/api/v1/jobs", json={"name": "bench-ingest", "steps": 1000},
                                  headers={"Authorization": f"Bearer {admin}"}, timeout=30)
                 job.raise_for_status()
                 job_id = job.json()["id"]
                 log.info("%s: building %d samples (%d ranks x %d collectives)", backend, samples, ranks, collectives)
-                bodies = build_bodies(job_id, ranks, collectives, samples, agents, batch)
+                _mark_running(url, job_id)
+                bodies = (build_columnar_bodies if fmt == "columnar" else build_bodies)(
+                    job_id, ranks, collectives, samples, agents, batch)
+                path = "/api/v1/telemetry/columnar" if fmt == "columnar" else "/api/v1/telemetry"
+                ctype = "application/vnd.vigil.columnar+msgpack" if fmt == "columnar" else "application/json"
                 before = _db_bytes(url)
                 work: queue.Queue[bytes] = queue.Queue()
                 for b in bodies:
@@ -283,7 +546,7 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
 
                 def worker() -> None:
                     headers = {"Authorization": f"Bearer {agent}", "Content-Encoding": "gzip",
-                               "Content-Type": "application/json"}
+                               "Content-Type": ctype}
                     with httpx.Client(base_url=base, timeout=120) as client:
                         while True:
                             try:
@@ -291,7 +554,7 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
                             except queue.Empty:
                                 return
                             t = time.perf_counter()
-                            r = client.post("/api/v1/telemetry", content=body, headers=headers)
+                            r = client.post(path, content=body, headers=headers)
                             dt = time.perf_counter() - t
                             with lock:
                                 if r.status_code != 200:
@@ -302,13 +565,14 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
 
                 threads = [threading.Thread(target=worker) for _ in range(concurrency)]
                 cpu0 = _cpu_seconds(proc_pid[0])
-                t0 = time.perf_counter()
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
-                elapsed = time.perf_counter() - t0
-                cpu = _cpu_seconds(proc_pid[0]) - cpu0
+                with MonitorWatch(base, admin) as watch:
+                    t0 = time.perf_counter()
+                    for th in threads:
+                        th.start()
+                    for th in threads:
+                        th.join()
+                    elapsed = time.perf_counter() - t0
+                    cpu = _cpu_seconds(proc_pid[0]) - cpu0
                 if errors:
                     raise RuntimeError(f"{len(errors)} posts failed, first: {errors[0]}")
                 load = os.getloadavg()[0]
@@ -325,6 +589,7 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
                         time.sleep(0.5)
             after = _db_bytes(url)
         latencies.sort()
+        pass_max, pass_p50, passes = watch.summary()
         return Result(
             backend=backend, ranks=ranks, samples_per_s=round(stored[0] / elapsed, 1),
             p99_latency_ms=round(1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
@@ -335,6 +600,8 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
             collectives=collectives,
             concurrency=concurrency, batch=batch, controller_cpu_s=round(cpu, 2),
             samples_per_controller_cpu_s=round(stored[0] / max(cpu, 1e-9), 1), load_average=round(load, 2),
+            format=fmt, workers=workers, db_bound_samples_per_s=None if bound is None else round(bound, 1),
+            monitor_pass_s=pass_max, monitor_pass_p50_s=pass_p50, monitor_passes=passes,
         )
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -353,6 +620,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-aggregate-during", dest="aggregate_during", action="store_false",
                     help="hold the controller's aggregation pass during the run; aggregate_lag_s is then the time "
                          "one thread takes to aggregate everything afterwards")
+    ap.add_argument("--format", choices=["columnar", "json"], default="columnar",
+                    help="wire format of the batches (default columnar, what the agents send)")
+    ap.add_argument("--workers", type=int, default=1, help="controller worker processes (default 1)")
+    ap.add_argument("--no-db-bound", dest="db_bound", action="store_false",
+                    help="skip measuring db_bound_samples_per_s (the database's own bulk-insert rate)")
     ap.add_argument("--wait-aggregates", type=float, default=120.0,
                     help="seconds to wait for the aggregates to catch up after the last post (0: do not)")
     args = ap.parse_args(argv)
@@ -360,13 +632,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--ranks must be in [1, 10000]")
     if not 1 <= args.batch <= 10_000:
         ap.error("--batch must be in [1, 10000]")
+    if args.workers < 1:
+        ap.error("--workers must be >= 1")
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
     results = [
         run_backend(b, ranks=args.ranks, collectives=args.collectives, samples=args.samples, agents=args.agents,
                     batch=args.batch, concurrency=args.concurrency, wait_aggregates=args.wait_aggregates,
-                    aggregate_during=args.aggregate_during)
+                    aggregate_during=args.aggregate_during, fmt=args.format, workers=args.workers,
+                    measure_bound=args.db_bound)
         for b in backends
     ]
     if args.json:
@@ -375,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print(f"{r.backend:<10} ranks {r.ranks:>6}  {r.samples_per_s:>10,.0f} samples/s  p99 {r.p99_latency_ms:8.1f} ms"
                   f"  {r.bytes_per_million_samples / 1e6:7.1f} MB per 1M samples  aggregates caught up "
-                  f"{r.aggregate_lag_s}s after the last post")
+                  f"{r.aggregate_lag_s}s after the last post  db bound {r.db_bound_samples_per_s} samples/s  "
+                  f"monitor pass max {r.monitor_pass_s}s")
     return 0
 
 

@@ -29,17 +29,17 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from controller.bench.faultrun import FaultRun, step_at
+from controller.bench.faultrun import parse_ts as _ts
 from controller.checkpoint_layout import job_checkpoint_root, newest_complete
-from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import poll
-from controller.schemas import FaultCreate, JobCreate
+from controller.schemas import JobCreate
 from controller.settings import Settings
 
 log = logging.getLogger("vigil.bench.recovery")
@@ -62,60 +62,17 @@ def job_spec(name: str, steps: int, policy: str = "evict_restart", ckpt: int = 1
     })
 
 
-def _ts(value: str | None) -> float | None:
-    return datetime.fromisoformat(value).timestamp() if value else None
-
-
 def _result(kind: str, job_id: str) -> dict[str, Any]:
     """One fault's entry of ``faults``, before anything is known."""
     return {"kind": kind, "job_id": job_id, "detected": False, "culprit_correct": False, "time_to_detect_s": None,
             "steps_to_detect": None, "time_to_recover_s": None, "lost_steps": None}
 
 
-class Runner:
+class Runner(FaultRun):
     def __init__(self, cluster: LocalCluster, slow_factor: float = 2.0, slow_mode: str = "compute") -> None:
-        self.cluster = cluster
+        super().__init__(cluster, timeout=30)
         self.slow_factor = slow_factor
         self.slow_mode = slow_mode
-        self.client = VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30)
-
-    # The controller's answers as JSON-like dicts, read through the typed client.
-    def inject(self, job_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.client.inject_fault(job_id, FaultCreate.model_validate(body)).model_dump(mode="json")
-
-    def faults(self, job_id: str) -> list[dict[str, Any]]:
-        return [f.model_dump(mode="json") for f in self.client.list_faults(job_id).data]
-
-    def incidents(self, job_id: str) -> list[dict[str, Any]]:
-        return [i.model_dump(mode="json") for i in self.client.job_incidents(job_id).data]
-
-    def events(self, job_id: str) -> list[dict[str, Any]]:
-        return [e.model_dump(mode="json") for e in self.client.list_events(job_id=job_id, limit=1000).data]
-
-    def reach(self, job_id: str, step: int, timeout: float = 300) -> bool:
-        return bool(poll(lambda: (self.client.get_job(job_id).last_step or 0) >= step, timeout))
-
-    def finish(self, job_id: str, timeout: float = 600) -> str:
-        poll(lambda: self.client.get_job(job_id).status.is_terminal(), timeout, 2)
-        return self.client.get_job(job_id).status.value
-
-    def rank_location(self, job_id: str, rank: int, timeout: float = 30) -> tuple[str, int] | None:
-        """(node, pid) of a live rank, from the agents' heartbeats (which may lag the step counter)."""
-        def find() -> tuple[str, int] | None:
-            for n in self.client.list_nodes().data:
-                for r in n.ranks:
-                    if r.job_id == job_id and r.rank == rank and r.alive:
-                        return n.id, r.pid
-            return None
-
-        return poll(find, timeout, 0.5)
-
-    def rank0_series(self, job_id: str) -> tuple[list[int], list[float], list[float]]:
-        s = next((x for x in self.client.job_metrics(job_id, max_points=100_000).ranks if x.rank == 0), None)
-        if s is None:
-            return [], [], []
-        rows = sorted(zip(s.ts, s.step, s.step_time_s, strict=True))  # in the order they ran
-        return [r[1] for r in rows], [r[0] for r in rows], [r[2] for r in rows]
 
     def restart_point(self, job_id: str, after: float, fault_step: int | None) -> tuple[float | None, int | None]:
         """(time of the first step after the restart, steps run twice).
@@ -299,11 +256,7 @@ class Runner:
                   for v in by_step.values() if rank in v and len(v) > 1]
         return round(statistics.median(ratios), 3) if ratios else None
 
-    @staticmethod
-    def _step_at(message: str) -> int | None:
-        """The job's step when the controller fired a fault (its message ends "... (step N)")."""
-        m = re.search(r"\(step (\d+)\)", message)
-        return int(m.group(1)) if m else None
+    _step_at = staticmethod(step_at)
 
     def _remove_node(self, node: str) -> None:
         idx = node.rsplit("-", 1)[1]
@@ -363,8 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-mode", choices=("compute", "throttle"), default="compute",
                    help="slow_rank: the rank's compute phase made longer (a slow accelerator), or its process "
                         "duty-cycled by SIGSTOP/SIGCONT (diluted on a host with more runnable threads than cores).")
+    p.add_argument("--policy", choices=("evict_restart", "live"), default="evict_restart",
+                   help="live: the faults of live recovery (kill_rank, kill_9, hang_rank, a 2x slow_rank, kill_node) "
+                        "under recovery.policy live and, beside them in the same run, under evict_restart.")
+    p.add_argument("--no-baseline", action="store_true", help="--policy live: skip the evict_restart runs.")
+    p.add_argument("--fault-every-s", type=float, default=60.0,
+                   help="--policy live, ETTR run: a kill_rank every this many seconds of training (default 60).")
+    p.add_argument("--ettr-minutes", type=float, default=5.0,
+                   help="--policy live: length of each ETTR run in minutes (default 5; 0: none).")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.policy == "live":
+        return _main_live(args)
     steps, at = (70, 20) if args.quick else (120, 30)
     clean_steps = args.clean_steps if args.clean_steps is not None else (200 if args.quick else 1000)
     home = Path(tempfile.mkdtemp(prefix="vigil-bench-recovery-"))
@@ -394,6 +357,56 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f['steps_to_detect']!s:>6} {f['time_to_recover_s']!s:>10} {f['lost_steps']!s:>5}")
         print(f"false positives over {clean_steps} clean steps: {out['false_positives_clean_run']}; "
               f"ETTR: {out['ettr']}")
+    return 0
+
+
+def _main_live(args: argparse.Namespace) -> int:
+    from controller.bench.live_recovery import LIVE_FAULTS, LiveRunner
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip() in LIVE_FAULTS] or list(LIVE_FAULTS)
+    if "kill_node" in kinds:  # it shrinks the cluster: last
+        kinds = [k for k in kinds if k != "kill_node"] + ["kill_node"]
+    # Long enough that the replaced rank is back before the end (a hang takes ~16 s to find, a lost
+    # node ~20 s for Ray to give up on): ~0.07 s steps.
+    steps, at = (450, 30) if args.quick else (900, 40)
+    policies = ["live"] if args.no_baseline else ["live", "evict_restart"]
+    home = Path(tempfile.mkdtemp(prefix="vigil-bench-recovery-"))
+    t0 = time.time()
+    cluster = start_local_cluster(home, nodes=3, cpus_per_node=1, port=free_port())
+    results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    ettr: dict[str, dict[str, Any]] = {}
+    try:
+        r = LiveRunner(cluster)
+        for kind in kinds:
+            for policy in policies:
+                results[policy].append(r.run_fault(kind, policy, steps, at, slow_factor=args.slow_factor))
+                if kind == "kill_node":  # the killed node's processes come back for the next run
+                    r.restart_node_processes()
+        if args.ettr_minutes > 0:
+            for policy in policies:
+                ettr[policy] = r.ettr(policy, args.ettr_minutes, args.fault_every_s)
+    finally:
+        cluster.stop()
+    out: dict[str, Any] = {
+        "policy": "live", "faults": results["live"],
+        "ettr": ettr.get("live", {}).get("ettr"), "ettr_run": ettr.get("live"),
+        "wall_s": round(time.time() - t0, 1),
+    }
+    if "evict_restart" in results:
+        out["baseline"] = {"policy": "evict_restart", "faults": results["evict_restart"],
+                           "ettr": ettr.get("evict_restart", {}).get("ettr"), "ettr_run": ettr.get("evict_restart")}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{'kind':<10} {'policy':<14} {'detected':>8} {'culprit':>8} {'detect s':>9} {'rejoin s':>9} "
+          f"{'surv. lost':>10} {'surv. pause s':>13}")
+    for kind_rows in zip(*(results[p] for p in policies), strict=True):
+        for f in kind_rows:
+            print(f"{f['kind']:<10} {f['policy']:<14} {f['detected']!s:>8} {f['culprit_correct']!s:>8} "
+                  f"{f['time_to_detect_s']!s:>9} {f['time_to_rejoin_s']!s:>9} {f['survivor_lost_steps']!s:>10} "
+                  f"{f['survivor_max_pause_s']!s:>13}")
+    for policy, e in ettr.items():
+        print(f"ETTR {policy}: {e.get('ettr')} ({e.get('faults')} kills, one every {args.fault_every_s:g} s)")
     return 0
 
 

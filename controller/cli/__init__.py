@@ -36,7 +36,7 @@ from controller.cli.jobs import (
     follow_job,
     load_job_file,
 )
-from controller.cli.recovery import cmd_evict, cmd_fault, cmd_incidents, cmd_readmit, cmd_recover
+from controller.cli.recovery import cmd_evict, cmd_fault, cmd_faults, cmd_incidents, cmd_readmit, cmd_recover
 from controller.cli.services import LOOPBACK_HOSTS, cmd_agent, cmd_controller, cmd_dashboard, cmd_db, cmd_up
 from controller.cli.tokens import cmd_token, parse_expiry
 from controller.client import ApiError
@@ -58,6 +58,7 @@ __all__ = [
     "cmd_db",
     "cmd_evict",
     "cmd_fault",
+    "cmd_faults",
     "cmd_incidents",
     "cmd_jobs",
     "cmd_logs",
@@ -92,7 +93,7 @@ PASSTHROUGH: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "controller": cmd_controller, "db": cmd_db, "submit": cmd_submit, "jobs": cmd_jobs, "logs": cmd_logs,
     "cancel": cmd_cancel, "up": cmd_up, "token": cmd_token, "recover": cmd_recover, "evict": cmd_evict,
-    "readmit": cmd_readmit, "fault": cmd_fault, "incidents": cmd_incidents,
+    "readmit": cmd_readmit, "fault": cmd_fault, "faults": cmd_faults, "incidents": cmd_incidents,
 }
 
 

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "speedup": "trainer.bench.speedup",
     "ingest": "controller.bench.ingest",
     "recovery": "controller.bench.recovery",
+    "chaos": "controller.bench.chaos",
     "dashboard": "controller.bench.dashboard",
 }
 """What ``vigil bench NAME`` runs: NAME -> the module run with ``python -m``."""
@@ -31,6 +32,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench`` on ``sub``; its own flags pass through to the benchmark."""
-    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, speedup, dashboard).",
+    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, chaos, speedup, dashboard).",
                        add_help=False)
     b.add_argument("what")

@@ -86,6 +86,18 @@ def cmd_fault(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_faults(args: argparse.Namespace) -> int:
+    out = _call(args, lambda client: client.list_faults(args.job))
+    if out is None:
+        return 1
+    print(f"{'ID':>4} {'KIND':<18} {'TARGET':<16} {'STEP':>6} {'HIT':>6} {'STATUS':<8} MESSAGE")
+    for f in out.data:
+        target = f"rank {f.rank}" if f.rank is not None else (f.node_id or "-")
+        print(f"{f.id:>4} {f.kind.value:<18} {target:<16} {f.step:>6} {'-' if f.hit_step is None else f.hit_step:>6} "
+              f"{f.status.value:<8} {f.message or ''}")
+    return 0
+
+
 def cmd_incidents(args: argparse.Namespace) -> int:
     out = _call(args, lambda client: client.list_incidents(job_id=args.job or None))
     if out is None:
@@ -98,7 +110,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``recover``, ``evict``, ``readmit``, ``fault`` and ``incidents`` on ``sub``."""
+    """``recover``, ``evict``, ``readmit``, ``fault``, ``faults`` and ``incidents`` on ``sub``."""
     rc = sub.add_parser("recover", help="Restart a job's ranks from its newest valid checkpoint.")
     rc.add_argument("job")
     rc.add_argument("--evict", metavar="NODE", help="Evict this node first.")
@@ -118,6 +130,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     fa.add_argument("--node")
     fa.add_argument("--step", type=int, default=0, help="Fire once the job reaches this step.")
     fa.add_argument("--param", action="append", metavar="KEY=VALUE", help="Kind-specific parameter (repeatable).")
+
+    fl = sub.add_parser("faults", help="A job's injected faults: the step asked for and the step each really hit.")
+    fl.add_argument("job")
 
     ic = sub.add_parser("incidents", help="List incidents (of one job with --job).")
     ic.add_argument("--job")

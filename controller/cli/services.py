@@ -10,11 +10,15 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from controller.cli.jobs import demo_job_spec, follow_job, load_job_file
 from controller.client import VigilClient
 from controller.schemas import FaultCreate, FaultKind
-from controller.settings import admin_token_path, get_settings
+from controller.settings import Settings, admin_token_path, get_settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("vigil")
 
@@ -42,12 +46,68 @@ def cmd_controller(args: argparse.Namespace) -> int:
             log.warning("VIGIL_AUTH_ENABLED=false on %s: ANYONE who reaches port %d can submit, cancel and read "
                         "everything", h, port)
     settings = settings.model_copy(update={"host": host, "port": port})
+    workers = getattr(args, "workers", 1) or 1
+    if workers > 1:
+        if len(hosts) > 1:
+            print("vigil controller: --workers with --extra-host is not supported", file=sys.stderr)
+            return 2
+        return _run_workers(settings, workers)
     if len(hosts) == 1:
         uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
         return 0
     # Several addresses (`vigil up --netns`: loopback for the user, the bridge for agents in namespaces).
     sockets = [_listen(h, port) for h in hosts]
     uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning")).run(sockets=sockets)
+    return 0
+
+
+#: The mounted dashboard's viewer token, shared by the workers (the parent makes it; never stored).
+_WORKERS_DASHBOARD_SECRET = "VIGIL_WORKERS_DASHBOARD_SECRET"
+
+
+def worker_app() -> FastAPI:
+    """The app of one worker process (``--workers``): settings from the environment the parent set,
+    migrations already run by the parent (workers starting together must not race on them).
+
+    The mounted dashboard calls the API over HTTP and may reach any worker, so its in-process token
+    (``mint_internal_token``) must be one that every worker knows: the parent's, from the environment.
+    """
+    import os
+
+    from controller import tokens
+    from controller.app import create_app
+    from controller.schemas import Role
+    from controller.tokens import Principal
+
+    settings = get_settings()
+    secret = os.environ.get(_WORKERS_DASHBOARD_SECRET)
+    shared = bool(secret) and settings.auth_enabled and settings.dashboard_token is None
+    if shared:
+        settings = settings.model_copy(update={"dashboard_token": secret})
+    app = create_app(settings, run_migrations=False)
+    if shared and secret:
+        app.state.internal_tokens[tokens.hash_token(secret)] = Principal(token_id=None, role=Role.VIEWER,
+                                                                          name="dashboard (mounted)")
+    return app
+
+
+def _run_workers(settings: Settings, workers: int) -> int:
+    """``workers`` uvicorn worker processes sharing the listening sockets: telemetry ingest (decoding,
+    validation) on as many cores. Each worker builds its own app (:func:`worker_app`); the leader
+    lock (controller/leader.py: the advisory lock, or on SQLite a file lock) lets exactly one of them
+    run the supervisor, the monitor and the aggregation."""
+    import os
+
+    import uvicorn
+
+    from controller import migrate, tokens
+
+    migrate.upgrade(settings.resolved_database_url())
+    os.environ[_WORKERS_DASHBOARD_SECRET] = tokens.new_secret()
+    # The workers are new interpreters: they read their settings from the environment.
+    os.environ["VIGIL_HOST"], os.environ["VIGIL_PORT"] = settings.host, str(settings.port)
+    uvicorn.run("controller.cli.services:worker_app", factory=True, workers=workers, host=settings.host,
+                port=settings.port, log_level="warning")
     return 0
 
 
@@ -116,11 +176,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"vigil up: {exc}", file=sys.stderr)
         return 2
+    if args.standby < 0:
+        print(f"vigil up --standby: must be >= 0, got {args.standby}", file=sys.stderr)
+        return 2
+    if args.standby and not (settings.database_url or "").startswith(("postgresql", "postgres:")):
+        print("vigil up --standby: needs VIGIL_DATABASE_URL=postgresql+psycopg://... (controllers share a "
+              "PostgreSQL database; SQLite serves one controller)", file=sys.stderr)
+        return 2
     print(f"starting Vigil: Ray head + {args.nodes} worker node(s)" + (" in network namespaces" if args.netns else "")
-          + f", agents, controller on port {args.port} ...", flush=True)
+          + f", agents, controller on port {args.port}"
+          + (f" and {args.standby} standby controller(s)" if args.standby else "") + " ...", flush=True)
     try:
         cluster = start_local_cluster(home, nodes=args.nodes, cpus_per_node=args.cpus_per_node, port=args.port,
-                                      database_url=settings.database_url, netns=args.netns, link=link)
+                                      database_url=settings.database_url, netns=args.netns, link=link,
+                                      standby_controllers=args.standby)
     except NetnsError as exc:  # e.g. --link-latency on a kernel without sch_netem; nothing is left behind
         print(f"vigil up --netns: {exc}", file=sys.stderr)
         return 2
@@ -135,6 +204,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"dashboard:  {cluster.controller_url}/dashboard/")
         print(f"REST API:   {cluster.controller_url}/api/v1/docs")
         print(f"Ray:        {cluster.dashboard_url}   logs: {home.resolve() / 'logs'}")
+        if len(cluster.controller_urls) > 1:
+            print(f"standby:    {', '.join(cluster.controller_urls[1:])} (take over when the leader dies)")
         if cluster.netns is not None:
             net = cluster.netns
             print(f"network:    bridge {net.bridge} {net.gateway}/{net.prefix_len}; "
@@ -183,6 +254,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     up.add_argument("--no-demo", action="store_true", help="Start the platform without submitting a job.")
     up.add_argument("--exit-after-job", action="store_true", help="Stop everything once the job has ended.")
     up.add_argument("--no-fault", action="store_true", help="Run the demo job without its injected fault.")
+    up.add_argument("--standby", type=int, default=0, metavar="N",
+                    help="N more controllers on the same PostgreSQL database (VIGIL_DATABASE_URL), on free ports; "
+                         "one takes over when the leader dies (docs/RECOVERY.md, Two controllers).")
     up.add_argument("--netns", action="store_true",
                     help="Each worker node in its own network namespace with a shaped veth eth0 (Linux, root).")
     up.add_argument("--link", help="--netns: bandwidth of every node's link, each way (tc rate: 1gbit, 200mbit).")
@@ -197,6 +271,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    help="Allow binding an address other hosts can reach (e.g. --host 0.0.0.0).")
     c.add_argument("--extra-host", action="append", metavar="HOST",
                    help="Also listen on HOST (repeatable; same port, same --allow-remote rule).")
+    c.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="Worker processes serving the API (default 1): telemetry ingest on N cores; one of them "
+                        "(the leader) runs the supervisor, monitor and aggregation.")
 
     sub.add_parser("agent", help="Run a node agent (see `vigil agent --help`).", add_help=False)
     sub.add_parser("dashboard", help="Run the dashboard on its own.", add_help=False)

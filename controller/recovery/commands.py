@@ -6,11 +6,11 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from controller.jobs import record_event
-from controller.models import NodeCommandRow, StackDump
+from controller.models import Fault, Job, NodeCommandRow, StackDump
 from controller.schemas import CommandKind, CommandResult, CommandStatus, NodeCommand
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,11 @@ def record_result(session: Session, node_id: str, command_id: int, result: Comma
             header = f"# process state: {state}\n" if state else ""
             session.add(StackDump(job_id=row.job_id, incident_id=row.incident_id, node_id=node_id, rank=int(rank),
                                   pid=int(pids.get(str(rank), 0)), stack=(header + str(text))[:200_000]))
+    if row.fault_id is not None and result.ok and row.job_id and row.kind != CommandKind.WRITE_FAULT_FILE.value:
+        # An agent-side fault hit the job wherever it was when the agent acted: the newest step the
+        # controller has then (a fault the rank carries out reports its exact step itself).
+        session.execute(update(Fault).where(Fault.id == row.fault_id, Fault.hit_step.is_(None))
+                        .values(hit_step=select(Job.last_step).where(Job.id == row.job_id).scalar_subquery()))
     record_event(session, "command_result", f"{row.kind} on {node_id}: {'ok' if result.ok else 'failed'}"
                  + (f" ({result.message[:200]})" if result.message else ""), job_id=row.job_id, node_id=node_id,
                  data={"command_id": row.id})

@@ -107,7 +107,12 @@ def rank_died(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: flo
     """The rank whose process died first (the agents report each rank's pid alive or not)."""
     if job.last_step is not None and job.last_step >= steps:
         return []  # the job is finishing: its ranks exit
-    dead = {rank: loc for rank, loc in reads.rank_locations(s, job.id).items() if not loc.alive}
+    # Deaths before the current worker group started belong to an older group (Ray Train's restart, or
+    # Vigil's own kill or rollback, took it down): neither a new culprit nor a stale pid to name.
+    attempt = reads.current_attempt(s, job.id)
+    started = reads.attempt_started(s, job.id, attempt) if attempt > 1 else None  # attempt 1: no older group
+    dead = {rank: loc for rank, loc in reads.rank_locations(s, job.id).items()
+            if not loc.alive and not (started is not None and loc.dead_since is not None and loc.dead_since < started)}
     for rank, loc in dead.items():
         if reads.death_seen(s, job.id, rank, loc.pid):
             return []  # this death is already an incident; the rest of its group went down after it
@@ -154,10 +159,11 @@ def loss(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
 
 
 def hang(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: float,
-         since: float | None = None) -> list[Finding]:
+         since: float | None = None, *, per_rank: bool = False) -> list[Finding]:
     """No new step for max(``hang_k`` x median step time, ``hang_floor_s``), silence counted from ``since``
     at the earliest (the monitor's start: the steps of a controller's downtime arrive late, from the
-    agents' spools)."""
+    agents' spools). ``per_rank`` (live recovery, whose survivors train on without a hung rank): also one
+    rank silent that long while another stepped since, named with its node."""
     if job.last_step is not None and job.last_step >= steps:
         return []  # the last step is done: the ranks are saving and exiting
     last_ts = reads.last_step_ts(s, job.id)
@@ -167,11 +173,29 @@ def hang(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: float,
     median = statistics.median(times) if times else 0.0
     limit = max(th.hang_k * median, th.hang_floor_s)
     idle = now - last_ts
+    if per_rank:
+        found = _rank_hang(s, job, limit, now, since)
+        if found:
+            return found
     if now - max(last_ts, since or 0.0) <= limit:
         return []
     return [Finding(IncidentKind.HANG, job.id, None, None,
                     {"idle_s": round(idle, 2), "limit_s": round(limit, 2), "median_step_s": round(median, 4),
                      "last_step": job.last_step}, step=job.last_step)]
+
+
+def _rank_hang(s: Session, job: Job, limit: float, now: float, since: float | None) -> list[Finding]:
+    last = reads.last_step_ts_by_rank(s, job.id)
+    if len(last) < 2:
+        return []
+    rank = min(last, key=lambda r: (last[r], r))
+    newest = max(last.values())
+    if newest - last[rank] <= limit or now - max(last[rank], since or 0.0) <= limit:
+        return []
+    loc = reads.rank_locations(s, job.id).get(rank)
+    return [Finding(IncidentKind.HANG, job.id, loc.node_id if loc is not None else None, rank,
+                    {"idle_s": round(now - last[rank], 2), "limit_s": round(limit, 2), "others_stepped_s_ago":
+                     round(now - newest, 2), "last_step": job.last_step}, step=job.last_step)]
 
 
 def diagnose_hang(s: Session, job: Job, inc: Incident, th: RecoveryThresholds, now: float) -> list[Finding]:
@@ -194,8 +218,10 @@ def diagnose_hang(s: Session, job: Job, inc: Incident, th: RecoveryThresholds, n
     if len(odd) == 1:
         rank = odd[0]
         node_id = locs[odd[0]].node_id if odd[0] in locs else None
+    # Suspects: the odd ranks out; else the rank found silent on its own (live recovery); else every rank.
+    suspects = odd or ([inc.rank] if inc.rank is not None else sorted(locs))
     return [Finding(IncidentKind.HANG, job.id, node_id, rank, evidence, step=job.last_step, stage=Stage.DIAGNOSED,
-                    incident_id=inc.id, suspects=tuple(odd or sorted(locs)))]
+                    incident_id=inc.id, suspects=tuple(suspects))]
 
 
 # -- NIC ------------------------------------------------------------------------------------------------
@@ -213,12 +239,14 @@ def nic_degraded(job: Job, found: list[nic.NicFinding]) -> list[Finding]:
 # -- after an action ------------------------------------------------------------------------------------
 
 
-def resumed(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
-    """ACTING incidents of the job after which the job visibly restarted (:func:`restart_seen`)."""
+def resumed(s: Session, job: Job, th: RecoveryThresholds, *, live: bool = False) -> list[Finding]:
+    """ACTING incidents of the job after which the job visibly restarted (:func:`restart_seen`; under live
+    recovery :func:`rejoin_seen`: the replaced rank back)."""
     out = []
     for inc in reads.acting(s, job.id):
         assert inc.acted_at is not None
-        restart_ts = restart_seen(s, job.id, inc.acted_at.timestamp(), th.restart_gap_s)
+        restart_ts = (rejoin_seen(s, job.id, inc.rank, inc.acted_at.timestamp()) if live and inc.kind != IncidentKind.NAN_LOSS.value
+                      else restart_seen(s, job.id, inc.acted_at.timestamp(), th.restart_gap_s))
         if restart_ts is not None:
             out.append(Finding(IncidentKind(inc.kind), job.id, inc.node_id, inc.rank, {"restarted_at": restart_ts},
                                step=job.last_step, stage=Stage.RESUMED, incident_id=inc.id))
@@ -238,4 +266,20 @@ def restart_seen(s: Session, job_id: str, since: float, gap_s: float) -> float |
         if r.step <= prev_step or r.ts - prev_ts > gap_s:
             return float(r.ts)
         prev_step, prev_ts = r.step, r.ts
+    return None
+
+
+LIVE_REJOIN_GAP_S = 2.5
+"""Live recovery: a pause this long in one rank's own steps, after the action, is its replacement coming
+back (a new process: seconds at least); the survivors' own pause while a quorum re-forms is shorter."""
+
+
+def rejoin_seen(s: Session, job_id: str, rank: int | None, since: float) -> float | None:
+    """Live recovery: time of the first step of ``rank`` (of any rank: None) after ``since`` that follows a
+    pause of :data:`LIVE_REJOIN_GAP_S` in that rank's steps: its replacement stepping with the others."""
+    prev: dict[int, float] = {}
+    for r, ts in reads.rank_step_times_around(s, job_id, rank, since):
+        if ts > since and r in prev and ts - prev[r] > LIVE_REJOIN_GAP_S:
+            return float(ts)
+        prev[r] = ts
     return None

@@ -44,7 +44,8 @@ class RankLocation:
 
 
 def rank_locations(session: Session, job_id: str) -> dict[int, RankLocation]:
-    """Where each rank of ``job_id`` runs, from the newest heartbeats (live processes preferred)."""
+    """Where each rank of ``job_id`` runs, from the newest heartbeats (live processes preferred, then the
+    latest to die)."""
     out: dict[int, RankLocation] = {}
     for node in session.scalars(select(Node).where(Node.state != NodeState.DEAD.value)).all():
         for r in node.ranks or []:
@@ -52,7 +53,10 @@ def rank_locations(session: Session, job_id: str) -> dict[int, RankLocation]:
                 continue
             loc = RankLocation(node.id, int(r.get("pid", 0)), bool(r.get("alive", True)), r.get("dead_since"))
             cur = out.get(int(r["rank"]))
-            if cur is None or (loc.alive and not cur.alive):
+            # A live process first; among dead ones the latest to die (an older group's stale entry
+            # must not hide the death of the current one).
+            if cur is None or (loc.alive and not cur.alive) or (
+                    not loc.alive and not cur.alive and (loc.dead_since or 0.0) > (cur.dead_since or 0.0)):
                 out[int(r["rank"])] = loc
     return out
 
@@ -72,7 +76,7 @@ def create_fault(session: Session, job: Job, body: FaultCreate) -> Fault:
 
 def to_public(f: Fault) -> FaultPublic:
     return FaultPublic(id=f.id, job_id=f.job_id, kind=FaultKind(f.kind), rank=f.rank, node_id=f.node_id, step=f.step,
-                       params=f.params, status=FaultStatus(f.status), message=f.message, created_at=f.created_at,
+                       hit_step=f.hit_step, params=f.params, status=FaultStatus(f.status), message=f.message, created_at=f.created_at,
                        fired_at=f.fired_at, cleared_at=f.cleared_at)
 
 
@@ -109,7 +113,10 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
             return False  # not placed yet (or restarting): try again next pass
         node_id = node_id or loc.node_id
     cmd: tuple[CommandKind, dict] | None = None
-    if kind == FaultKind.KILL_RANK:
+    if kind in (FaultKind.KILL_RANK, FaultKind.HANG_RANK) and _in_rank(f):
+        cmd = (CommandKind.WRITE_FAULT_FILE, {"job_id": job.id, "rank": f.rank,
+                                              "fault": {"kind": kind.value, "step": f.step, "fault_id": f.id}})
+    elif kind == FaultKind.KILL_RANK:
         cmd = (CommandKind.KILL_PID, {"pid": loc.pid, "signal": 9})  # type: ignore[union-attr]
     elif kind == FaultKind.HANG_RANK:
         cmd = (CommandKind.STOP_PID, {"pid": loc.pid})  # type: ignore[union-attr]
@@ -151,8 +158,11 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
 
 
 def _in_rank(f: Fault) -> bool:
-    """Whether the rank itself carries the fault out (a fault file) rather than its node's agent."""
+    """Whether the rank itself carries the fault out (a fault file: at exactly its step) rather than its
+    node's agent (once the controller has seen the job reach the step: later, by a poll or two)."""
     kind = FaultKind(f.kind)
+    if kind in (FaultKind.KILL_RANK, FaultKind.HANG_RANK):
+        return f.params.get("mode", "rank") == "rank"
     return kind == FaultKind.NAN_LOSS or (kind == FaultKind.SLOW_RANK and f.params.get("mode") == "compute")
 
 
@@ -190,7 +200,9 @@ def clear_for_ended_jobs(session: Session) -> None:
                Job.status.in_([s.value for s in JobStatus if s.is_terminal()]))
     ).all()
     for f in rows:
-        needs_undo = (FaultKind(f.kind) in UNDO and not _in_rank(f)) or FaultKind(f.kind) in NETWORK_KINDS
+        kind = FaultKind(f.kind)
+        # A throttle and a stopped process (whoever stopped it) outlive the job's end; a compute slow-down does not.
+        needs_undo = (kind in UNDO and not (kind == FaultKind.SLOW_RANK and _in_rank(f))) or kind in NETWORK_KINDS
         if f.status == FaultStatus.PENDING.value or needs_undo:
             clear_fault(session, f, "job ended")
 

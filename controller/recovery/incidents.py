@@ -112,6 +112,14 @@ def close(inc: Incident, action: str | None = None) -> None:
         inc.action = action
 
 
+def fail(s: Session, inc: Incident, why: str) -> None:
+    """OPEN/ACTING -> FAILED: the recovery gave up (``why``); the job's detectors judge it afresh."""
+    transition(inc, IncidentStatus.FAILED)
+    inc.action = f"{inc.action}; {why}" if inc.action else why
+    record_event(s, "incident_failed", f"{inc.kind}: {why}", job_id=inc.job_id, node_id=inc.node_id,
+                 data={"incident_id": inc.id})
+
+
 def recover(s: Session, inc: Incident, at: float, restarts: int) -> None:
     """ACTING -> RECOVERED: the job resumed (at ``at``) after its ``restarts``-th restart."""
     transition(inc, IncidentStatus.RECOVERED)

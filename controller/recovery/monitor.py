@@ -16,7 +16,8 @@ background thread every ``interval`` seconds (:class:`~controller.background.Bac
 
 Detection thresholds are per job (``recovery.thresholds``); the heartbeat timeout, which judges nodes,
 is the monitor's (``node_timeout_s``). Silence is counted from the monitor's start at the earliest
-(``started_at``): after a controller restart, nodes and ranks get a full timeout to be heard again.
+(``started_at``, set again by every ``start()``): after a controller restart, or a standby's takeover
+(controller/leader.py), nodes and ranks get a full timeout to be heard again.
 
 The actions and the head-node check live in :mod:`controller.recovery.actions`; ``HeadNodeError``,
 ``is_head_node``, ``evict_node`` and ``readmit_node`` are re-exported here.
@@ -36,17 +37,24 @@ from controller.db import session_scope
 from controller.jobs import record_event
 from controller.launcher import ClusterControl, JobLauncher
 from controller.models import Incident, Job
+from controller.prometheus import MONITOR_LAST_PASS_SECONDS, MONITOR_PASS_SECONDS
 from controller.recovery import actions, detectors, faults, incidents, policy, reads, stragglers
 from controller.recovery import nic as nic_detector
 from controller.recovery.actions import HeadNodeError, evict_node, is_head_node, readmit_node
 from controller.recovery.detectors import Finding
-from controller.schemas import IncidentKind, JobCreate
+from controller.schemas import IncidentKind, JobCreate, RecoveryPolicy
 
 __all__ = ["NODE_TIMEOUT_S", "HeadNodeError", "Monitor", "evict_node", "is_head_node", "readmit_node"]
 
 log = logging.getLogger(__name__)
 
 NODE_TIMEOUT_S = 4.0
+ON_RECORD_S = 60.0
+"""A finding the policy closes at once (a slow node that cannot be evicted: the job runs on there) is
+on record for this long after it was last seen: the same finding on every pass while the node stays
+slow is that one incident, not one each pass. Seen again after a gap this long, it is a new one."""
+ACTING_TIMEOUT_S = 180.0
+"""Longest Vigil waits for the restart an action promised (Ray Train's restart, an eviction's drain)."""
 """Default heartbeat timeout: a node not heard from for this long is lost (heartbeats every 1 s)."""
 
 
@@ -61,6 +69,8 @@ class Monitor(BackgroundLoop):
         interval: float = 1.0,
         node_timeout_s: float = NODE_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        reconnect_grace_s: float = 0.0,
+        acting_timeout_s: float = ACTING_TIMEOUT_S,
     ) -> None:
         self.sessions = sessions
         self.launcher = launcher
@@ -68,27 +78,47 @@ class Monitor(BackgroundLoop):
         self.interval = interval
         self.node_timeout_s = node_timeout_s
         self.clock = clock
+        self.reconnect_grace_s = reconnect_grace_s
+        self.acting_timeout_s = acting_timeout_s
+        """An action after which the job has made no step for this long has failed (FAILED): its
+        incident no longer mutes the job's detectors, which judge the job afresh."""
         self.started_at = clock()
-        """Silence that began before this (the controller's start) counts from here: a restarted
-        controller's own absence is not the nodes' or the ranks' (node_lost, hang)."""
+        """Silence that began before this (the controller's start) counts from here, plus
+        ``reconnect_grace_s``: a restarted controller's own absence is not the nodes' or the ranks'
+        (node_lost, hang), and an agent that found it down comes back only at its next retry."""
         super().__init__()
         self._nic = nic_detector.NicDetector()  # keeps each node's heartbeat history across passes
+        self._on_record: dict[tuple[str, str, str | None], float] = {}  # ON_RECORD_S: (job, kind, node) -> last seen
+
+    def start(self) -> None:
+        if not self.running:
+            # A standby that became the leader (or a leader that got its lock back) judges no silence
+            # that began before it took over: from here, nodes and ranks get a full timeout.
+            self.started_at = self.clock()
+        super().start()
 
     # -- one pass ---------------------------------------------------------------------------------
     def step(self) -> None:
         now = self.clock()
-        with session_scope(self.sessions) as s:
-            faults.fire_due(s)
-            self._nodes(s, now)
-            for job in reads.running_jobs(s):
-                self._job(s, job, JobCreate.model_validate(job.spec), now)
-            faults.clear_for_ended_jobs(s)
-            incidents.close_for_ended_jobs(s)
+        t0 = time.perf_counter()
+        try:
+            with session_scope(self.sessions) as s:
+                faults.fire_due(s)
+                self._nodes(s, now)
+                for job in reads.running_jobs(s):
+                    self._job(s, job, JobCreate.model_validate(job.spec), now)
+                faults.clear_for_ended_jobs(s)
+                incidents.close_for_ended_jobs(s)
+        finally:
+            # Detection must not starve under a flood of telemetry: the pass time is exported.
+            took = time.perf_counter() - t0
+            MONITOR_PASS_SECONDS.observe(took)
+            MONITOR_LAST_PASS_SECONDS.set(took)
 
     def _nodes(self, s: Session, now: float) -> None:
         for inc in detectors.nodes_heard_again(s):
             incidents.close(inc, (f"{inc.action}; " if inc.action else "") + "heartbeats resumed")
-        for lost in detectors.lost_nodes(s, now, self.node_timeout_s, since=self.started_at):
+        for lost in detectors.lost_nodes(s, now, self.node_timeout_s, since=self.started_at + self.reconnect_grace_s):
             actions.mark_node_dead(s, lost.node_id, lost.age_s)
             for finding in lost.findings:
                 job = s.get(Job, finding.job_id) if finding.job_id else None
@@ -96,6 +126,8 @@ class Monitor(BackgroundLoop):
 
     def _job(self, s: Session, job: Job, spec: JobCreate, now: float) -> None:
         th = spec.recovery.thresholds
+        live = spec.recovery.policy == RecoveryPolicy.LIVE
+        self._give_up_stale_actions(s, job, now)
         self._detect(s, job, spec, IncidentKind.RANK_DIED,
                      lambda: detectors.rank_died(s, job, spec.steps, th, self.clock()))
         self._respond_all(s, job, spec, detectors.loss(s, job, th))
@@ -103,12 +135,26 @@ class Monitor(BackgroundLoop):
         if hang is not None:
             self._respond_all(s, job, spec, detectors.diagnose_hang(s, job, hang, th, now))
         else:
-            self._detect(s, job, spec, IncidentKind.HANG, lambda: detectors.hang(s, job, spec.steps, th, now, since=self.started_at))
+            self._detect(s, job, spec, IncidentKind.HANG, lambda: detectors.hang(
+                s, job, spec.steps, th, now, since=self.started_at + self.reconnect_grace_s, per_rank=live))
         self._detect(s, job, spec, IncidentKind.STRAGGLER,
-                     lambda: stragglers.detect(s, job, th, spec.checkpoint.interval_steps))
+                     lambda: stragglers.detect(s, job, th, spec.checkpoint.interval_steps,
+                                               since=reads.last_recovered_ts(s, job.id) if live else None))
         self._respond_all(s, job, spec, self._detect_nic(s, job, now))
-        for finding in detectors.resumed(s, job, th):
+        for finding in detectors.resumed(s, job, th, live=live):
             self._resumed(s, job, spec, finding)
+
+    def _give_up_stale_actions(self, s: Session, job: Job, now: float) -> None:
+        """An incident ACTING for longer than ``acting_timeout_s`` with no step since the action: FAILED.
+        Without this a restart that never comes (a group that cannot be placed) would leave the job
+        RUNNING for ever with every detector muted."""
+        for inc in reads.acting(s, job.id):
+            acted = inc.acted_at.timestamp() if inc.acted_at is not None else None
+            if acted is None or now - acted <= self.acting_timeout_s:
+                continue
+            last = reads.last_step_ts(s, job.id)
+            if last is None or last <= acted:
+                incidents.fail(s, inc, f"no step within {self.acting_timeout_s:.0f} s of the action; judged afresh")
 
     def _detect(self, s: Session, job: Job, spec: JobCreate, kind: IncidentKind,
                 detect: Callable[[], list[Finding]]) -> None:
@@ -141,9 +187,25 @@ class Monitor(BackgroundLoop):
                          job_id=job.id, node_id=decision.evict)
             history = replace(history, no_room=history.no_room | {decision.evict})
             decision = policy.decide(finding, spec.recovery, history)
+        if (decision.action == policy.Action.CLOSE and job is not None and finding.incident_id is None
+                and self._already_on_record(s, job, finding)):
+            return None
         deadline = spec.recovery.thresholds.drain_deadline_s if spec else 0.0
         return actions.carry_out(s, decision, finding, job, cluster=self.cluster, launcher=self.launcher,
                                  deadline_s=deadline, clock=self.clock)
+
+    def _already_on_record(self, s: Session, job: Job, finding: Finding) -> bool:
+        """Whether the incident this finding would open and close at once is on record already
+        (``ON_RECORD_S``): seen in an earlier pass of this monitor, or closed in the database lately
+        (by this controller before a restart, or by the leader before a takeover)."""
+        now = self.clock()
+        key = (job.id, finding.kind.value, finding.node_id)
+        last = self._on_record.get(key)
+        self._on_record = {k: t for k, t in self._on_record.items() if now - t < ON_RECORD_S}
+        self._on_record[key] = now
+        if last is not None and now - last < ON_RECORD_S:
+            return True
+        return reads.closed_since(s, job.id, finding.kind, finding.node_id, now - ON_RECORD_S) is not None
 
     def _resumed(self, s: Session, job: Job, spec: JobCreate, finding: Finding) -> None:
         """The job restarted after Vigil acted on an incident: RECOVERED, the restart counted (with or

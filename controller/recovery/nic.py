@@ -13,6 +13,11 @@ shaped link of a ``--netns`` node, else its busiest physical-looking NIC):
   down and came back; the kernel counts both edges);
 * ``nic-errors``: errors or drops per second above ``error_rate`` in k of the last m heartbeats and
   above 3x the peers' median;
+* ``retransmits``: the node's TCP retransmit ratio (segments retransmitted / sent, from the agent's
+  ``nics.tcp``) at least ``retrans_ratio`` and ``retrans_peer_factor`` x the peers' median in k of m
+  heartbeats: packets lost on the node's link or beyond it (the NIC's own counters stay clean when
+  the wire drops them; the sender retransmits). Not where another node's link is found sick in the
+  same pass: a sender also retransmits what a degraded receiver's queue dropped;
 * ``capacity``: the link's rate (the shaped rate of a ``--netns`` link, else ``speed_mbps``) below
   ``capacity_ratio`` x the peers' median in k of m heartbeats (a NIC renegotiated down, a degraded
   link);
@@ -26,7 +31,7 @@ A NIC finding is ``nic_degraded`` with the node, its ranks and the numbers. When
 telemetry shows that communication is what got slower - the median rank's time in collectives grew
 ``comm_growth`` x over its baseline (the job's earlier steps) while compute stayed within
 ``compute_growth`` x, or collectives take most of the step (``comm_share``) - each rank on a node
-with a ``capacity``/``saturated``/``link-flap``/``nic-errors`` finding is also named a
+with a ``capacity``/``saturated``/``link-flap``/``nic-errors``/``retransmits`` finding is also named a
 ``straggler`` of class ``communication-slow`` (C4's split: compute-slow ranks are the monitor's
 straggler detector's).
 """
@@ -51,7 +56,7 @@ from controller.schemas import IncidentKind
 _VIRTUAL_PREFIXES = ("lo", "ifb", "veth", "docker", "br-", "virbr", "vgb", "vgv", "cni", "flannel", "tun", "tap")
 _DOWN = ("down", "lowerlayerdown", "notpresent", "dormant")
 #: Classes of NIC finding that make the node's ranks communication-slow.
-COMM_CLASSES = ("capacity", "saturated", "link-flap", "nic-errors", "link-down")
+COMM_CLASSES = ("capacity", "saturated", "link-flap", "nic-errors", "retransmits", "link-down")
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class NicThresholds:
     peer_saturation: float = 0.5  # ... while the peers' median stays below this: the bottleneck ...
     busier_ratio: float = 1.5  # ... unless it moves more than this x the peers' median bytes (load, not a sick link)
     error_rate: float = 1.0  # errors or drops per s
+    retrans_ratio: float = 0.01  # TCP segments retransmitted / sent at least this ...
+    retrans_peer_factor: float = 5.0  # ... and this x the peers' median: a lossy link
     flap_window_s: float = 60.0  # carrier changes within this window are a flap
     comm_growth: float = 1.5  # communication-slow: collectives' time this x its baseline ...
     compute_growth: float = 1.25  # ... while compute stays within this x its baseline
@@ -72,6 +79,7 @@ class NicThresholds:
     baseline_steps: int = 5  # the job's first steps in the window are its baseline
     recent_steps: int = 5  # compared with its newest steps
     history: int = 120  # observations kept per node
+    max_age_s: float = 10.0  # observations older than this (a node gone quiet) are not judged
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class Observation:
     drops_per_s: float | None = None
     capacity_bps: float | None = None
     overlimits_per_s: float | None = None
+    retrans_ratio: float | None = None
 
     @property
     def utilization(self) -> float | None:
@@ -145,11 +154,14 @@ def observe(host: dict[str, Any], ts: float) -> Observation:
     if capacity is None and m.get("speed_mbps"):
         capacity = float(m["speed_mbps"]) * 1e6
     tx, rx = m.get("tx_bytes_per_s"), m.get("rx_bytes_per_s")
+    tcp = ((host or {}).get("nics") or {}).get("tcp") or {}
+    retrans = tcp.get("retrans_ratio") if isinstance(tcp, dict) else None
     return Observation(
         ts=ts, iface=iface, operstate=m.get("operstate"), carrier_changes=m.get("carrier_changes"),
         tx_bps=None if tx is None else 8.0 * tx, rx_bps=None if rx is None else 8.0 * rx,
         errors_per_s=rate("rx_errors_per_s", "tx_errors_per_s"), drops_per_s=rate("rx_dropped_per_s", "tx_dropped_per_s"),
         capacity_bps=capacity, overlimits_per_s=overlimits,
+        retrans_ratio=float(retrans) if isinstance(retrans, int | float) else None,
     )
 
 
@@ -177,6 +189,7 @@ class NicDetector:
     def __init__(self, thresholds: NicThresholds | None = None) -> None:
         self.th = thresholds or NicThresholds()
         self.history: dict[str, deque[Observation]] = defaultdict(lambda: deque(maxlen=self.th.history))
+        self._held: dict[str, set[str]] = {}  # job -> the nodes that held its ranks in the last pass
 
     # -- input ------------------------------------------------------------------------------------
     def record(self, node_id: str, host: dict[str, Any], ts: float) -> None:
@@ -198,6 +211,12 @@ class NicDetector:
         ranks_by_node: dict[str, list[int]] = defaultdict(list)
         for rank, loc in sorted(locs.items()):
             ranks_by_node[loc.node_id].append(rank)
+        # A node that no longer holds the job's ranks (evicted, or the group restarted elsewhere) is
+        # judged afresh if they come back: what it showed before (a degraded link since cleared, a flap
+        # already acted on) is not evidence against it then.
+        for gone in self._held.get(job.id, set()) - set(ranks_by_node):
+            self.history.pop(gone, None)
+        self._held[job.id] = set(ranks_by_node)
         if not ranks_by_node:
             return []
         self._record_nodes(session, set(ranks_by_node))
@@ -220,7 +239,7 @@ class NicDetector:
         th = self.th
         out: list[NicFinding] = []
         nodes = list(ranks_by_node)
-        windows = {n: list(self.history.get(n, ()))[-th.m:] for n in nodes}
+        windows = {n: [o for o in list(self.history.get(n, ()))[-th.m:] if o.ts >= now - th.max_age_s] for n in nodes}
         for node in nodes:
             win = windows[node]
             if not win:
@@ -247,6 +266,17 @@ class NicDetector:
                     heartbeats=f"{len(errs)}/{len(win)}")
             if not peers:
                 continue
+            lossy = []
+            for o in win:
+                if o.retrans_ratio is None or o.retrans_ratio < th.retrans_ratio:
+                    continue
+                peer_retrans = self._peer_median(peers, o.ts, lambda x: x.retrans_ratio)
+                if peer_retrans is None or o.retrans_ratio >= th.retrans_peer_factor * peer_retrans:
+                    lossy.append((o, peer_retrans))
+            if len(lossy) >= th.k:
+                o, peer_retrans = lossy[-1]
+                add("retransmits", retrans_ratio=_r(o.retrans_ratio, 4), peers_median_retrans_ratio=_r(peer_retrans, 4),
+                    threshold=th.retrans_ratio, heartbeats=f"{len(lossy)}/{len(win)}")
             low = []
             for o in win:
                 peer_cap = self._peer_median(peers, o.ts, lambda x: x.capacity_bps)
@@ -276,6 +306,13 @@ class NicDetector:
                     overlimits_per_s=_r(o.overlimits_per_s, 1), peers_median_overlimits_per_s=_r(peer_over, 1),
                     tx_bps=_r(o.tx_bps, 0), rx_bps=_r(o.rx_bps, 0), capacity_bps=o.capacity_bps,
                     heartbeats=f"{len(busy)}/{len(win)}")
+        # A sender retransmits whatever its path lost, also in the receiver's full queue: a node whose own
+        # link is found sick explains its peers' retransmits (in a ring, the node that sends to a
+        # degraded one retransmits what the degraded one's ingress dropped). Only where no link is
+        # found sick do retransmits name the node that sends them.
+        sick = {f.node_id for f in out if f.cls != "retransmits"}
+        if sick:
+            out = [f for f in out if f.cls != "retransmits" or f.node_id in sick]
         return out
 
     def _peer_median(self, peers: list[str], ts: float, value: Any) -> float | None:
@@ -285,6 +322,8 @@ class NicDetector:
             if not h:
                 continue
             nearest = min(h, key=lambda o: abs(o.ts - ts))
+            if abs(nearest.ts - ts) > self.th.max_age_s:
+                continue  # that peer said nothing near this time
             v = value(nearest)
             if v is not None:
                 vals.append(float(v))

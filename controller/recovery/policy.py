@@ -17,6 +17,10 @@ controller, whose FailurePolicy turns each failure into a decision. The rules (d
   group on healthy nodes); otherwise OBSERVE.
 * ``nan_loss``: ROLLBACK (every rank restarts from the last checkpoint) under ``rollback`` and
   ``evict_restart``; ``loss_spike``: OBSERVE.
+* ``live`` (every rank a torchft replica, :mod:`trainer.live`): a dead rank's replica is restarted by Ray
+  and heals from a live peer (RESTART, Vigil kills nothing); a diagnosed hang kills the hung ranks only;
+  a straggler or sick NIC kills the rank's replica and evicts its node (so Ray places the replacement
+  elsewhere), or only kills it where the node cannot go; NaN loss rolls every replica back from disk.
 * ``manual`` (``POST /jobs/{id}/recover``): restart every rank, evicting the node asked for; under
   ``observe`` the restart still happens but the incident is left OPEN (as before this module existed).
 * **head node**: the Ray head is never evicted; a decision whose node turns out to be the head falls back
@@ -113,13 +117,17 @@ def _decide(f: Finding, spec: RecoverySpec | None, history: History) -> Decision
     policy = spec.policy
     kind = f.kind
     if kind in (IncidentKind.NODE_LOST, IncidentKind.RANK_DIED):
+        if policy == RecoveryPolicy.LIVE:
+            what = (f"Ray restarts the replicas of {f.node_id} on other nodes" if kind == IncidentKind.NODE_LOST
+                    else f"Ray restarts rank {f.rank}'s replica")
+            return Decision(Action.RESTART, f"live: {what}; it heals from a live peer while the others train on")
         what = ("Ray Train restarts the worker group without the node" if kind == IncidentKind.NODE_LOST
                 else "Ray Train restarts the worker group from the newest valid checkpoint")
         if policy == RecoveryPolicy.OBSERVE:
             return Decision(Action.OBSERVE, f"observe: {what} (no action by Vigil)")
         return Decision(Action.RESTART, what)  # Ray Train restarts the group: Vigil kills nothing
     if kind == IncidentKind.NAN_LOSS:
-        if policy in (RecoveryPolicy.ROLLBACK, RecoveryPolicy.EVICT_RESTART):
+        if policy in (RecoveryPolicy.ROLLBACK, RecoveryPolicy.EVICT_RESTART, RecoveryPolicy.LIVE):
             return Decision(Action.ROLLBACK, "rollback: restart every rank from the last checkpoint before the NaN",
                             kill_all=True)
         return Decision(Action.OBSERVE)
@@ -140,6 +148,10 @@ def _hang(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
     if policy == RecoveryPolicy.OBSERVE:
         return Decision(Action.OBSERVE, "observe: stacks collected, no action")
     victims = list(f.suspects)
+    if policy == RecoveryPolicy.LIVE:
+        # The survivors left the hung replica out of their quorum and train on; a replacement heals from them.
+        return Decision(Action.RESTART, f"live: killed hung rank(s) {victims}; Ray restarts their replicas, which "
+                        "heal from a live peer", kill=f.suspects)
     if f.node_id and policy == RecoveryPolicy.EVICT_RESTART:
         if f.node_id in history.no_room:
             return Decision(Action.RESTART, f"killed hung rank(s) {victims}, {f.node_id} not evicted: the job's workers "
@@ -154,8 +166,10 @@ def _hang(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
 
 
 def _slow_node(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:
-    if policy != RecoveryPolicy.EVICT_RESTART or not f.node_id:
+    if policy not in (RecoveryPolicy.EVICT_RESTART, RecoveryPolicy.LIVE) or not f.node_id:
         return Decision(Action.OBSERVE)
+    if policy == RecoveryPolicy.LIVE:
+        return _slow_node_live(f, history)
     if f.node_id in history.no_room:
         # Evicting it would leave the job nowhere to run: the finding stays on record, the job runs on.
         return Decision(Action.CLOSE, f"not evicted: the job's workers would not fit without {f.node_id}; the job "
@@ -173,6 +187,25 @@ def _slow_node(f: Finding, policy: RecoveryPolicy, history: History) -> Decision
         why = f"straggler rank {f.rank} of job {f.job_id}"
     return Decision(Action.EVICT_AND_RESTART, f"evicted {f.node_id}; Ray Train restarts the group on healthy nodes",
                     evict=f.node_id, evict_reason=why)
+
+
+def _slow_node_live(f: Finding, history: History) -> Decision:
+    """Under ``live``: the slow rank's replica is killed and replaced (it heals from a live peer), on
+    another node when its node can be evicted (a drain: Ray places nothing new there)."""
+    assert f.node_id is not None
+    kill = (f.rank,) if f.rank is not None else ()
+    what = f"rank {f.rank}'s replica" if f.rank is not None else f"the replicas of {f.node_id}"
+    if f.node_id in history.no_room or f.node_id in history.head_nodes:
+        where = "the Ray head" if f.node_id in history.head_nodes else "needed: no room elsewhere"
+        if not kill:
+            return Decision(Action.CLOSE, f"live: not evicted: {f.node_id} is {where}; the job runs on there")
+        return Decision(Action.RESTART, f"live: killed {what} ({f.node_id} not evicted: {where}); Ray restarts it, "
+                        "it heals from a live peer", kill=kill)
+    why = (f"{f.evidence.get('class')} NIC of job {f.job_id}" if f.kind == IncidentKind.NIC_DEGRADED
+           or f.evidence.get("class") == "communication-slow" else f"straggler rank {f.rank} of job {f.job_id}")
+    return Decision(Action.EVICT_AND_RESTART, f"live: evicted {f.node_id}, killed {what}; Ray restarts it on a healthy "
+                    "node, it heals from a live peer while the others train on", evict=f.node_id, evict_reason=why,
+                    kill=kill)
 
 
 def _manual(f: Finding, policy: RecoveryPolicy, history: History) -> Decision:

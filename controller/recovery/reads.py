@@ -52,6 +52,14 @@ def live(s: Session, job_id: str, kind: IncidentKind) -> Incident | None:
                                            Incident.status.in_(LIVE)).limit(1))
 
 
+def closed_since(s: Session, job_id: str, kind: IncidentKind, node_id: str | None, since: float) -> Incident | None:
+    """The newest incident of ``kind`` on ``node_id`` of the job, CLOSED and detected at ``since`` or later."""
+    return s.scalar(select(Incident).where(
+        Incident.job_id == job_id, Incident.kind == kind.value, Incident.node_id == node_id,
+        Incident.status == IncidentStatus.CLOSED.value,
+        Incident.detected_at >= datetime.fromtimestamp(since, UTC)).order_by(Incident.id.desc()).limit(1))
+
+
 def recovering(s: Session, job_id: str) -> bool:
     """Whether the job has an incident under way other than a loss spike (which never acts)."""
     return s.scalar(select(Incident.id).where(Incident.job_id == job_id, Incident.status.in_(LIVE),
@@ -81,6 +89,12 @@ def last_action_ts(s: Session, job_id: str) -> float:
     return 0.0 if ts is None else _ts(ts)
 
 
+def last_recovered_ts(s: Session, job_id: str) -> float:
+    """When one of the job's incidents was last RECOVERED (0 if never)."""
+    ts = s.scalar(select(func.max(Incident.recovered_at)).where(Incident.job_id == job_id))
+    return 0.0 if ts is None else _ts(ts)
+
+
 def stack_dumps(s: Session, incident_id: int) -> Sequence[StackDump]:
     return s.scalars(select(StackDump).where(StackDump.incident_id == incident_id)).all()
 
@@ -88,10 +102,27 @@ def stack_dumps(s: Session, incident_id: int) -> Sequence[StackDump]:
 # -- steps -----------------------------------------------------------------------------------------------
 
 
+def current_attempt(s: Session, job_id: str, window: int = 256) -> int:
+    """The run attempt of the job's ranks now: the newest among its latest samples (0: none, or samples
+    without one). The detectors judge the current worker group alone: after a restart, the old group's
+    samples (late, or replayed by an agent) would mix a dead group's steps with the new one's."""
+    newest = select(StepMetric.attempt).where(StepMetric.job_id == job_id).order_by(StepMetric.id.desc()).limit(window)
+    return int(s.scalar(select(func.max(newest.subquery().c.attempt))) or 0)
+
+
+def attempt_started(s: Session, job_id: str, attempt: int) -> float | None:
+    """When the worker group of ``attempt`` started its first step (rank 0's samples), None if unknown."""
+    if attempt <= 0:
+        return None
+    return s.scalar(select(func.min(StepMetric.ts - StepMetric.step_time_s)).where(
+        StepMetric.job_id == job_id, StepMetric.rank == 0, StepMetric.attempt == attempt))
+
+
 def recent_losses(s: Session, job_id: str, limit: int = 200) -> Sequence[Row[Any]]:
-    """(rank, step, loss, ts) of the job's newest step samples, newest first."""
+    """(rank, step, loss, ts) of the newest step samples of the current attempt, newest first."""
     return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.loss, StepMetric.ts)
-                     .where(StepMetric.job_id == job_id).order_by(StepMetric.id.desc()).limit(limit)).all()
+                     .where(StepMetric.job_id == job_id, StepMetric.attempt == current_attempt(s, job_id))
+                     .order_by(StepMetric.id.desc()).limit(limit)).all()
 
 
 def last_step_ts(s: Session, job_id: str) -> float | None:
@@ -104,10 +135,11 @@ def recent_step_times(s: Session, job_id: str, limit: int = 100) -> Sequence[flo
 
 
 def recent_compute(s: Session, job_id: str, limit: int) -> Sequence[Row[Any]]:
-    """(rank, step, fwd_bwd_s, step_time_s, ts) of the newest step samples, newest first."""
+    """(rank, step, fwd_bwd_s, step_time_s, ts) of the newest step samples of the current attempt, newest first."""
     return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s,
                             StepMetric.ts)
-                     .where(StepMetric.job_id == job_id).order_by(StepMetric.id.desc()).limit(limit)).all()
+                     .where(StepMetric.job_id == job_id, StepMetric.attempt == current_attempt(s, job_id))
+                     .order_by(StepMetric.id.desc()).limit(limit)).all()
 
 
 def compute_history(s: Session, job_id: str, rank: int, before_step: int, limit: int = 50) -> Sequence[float]:
@@ -118,9 +150,10 @@ def compute_history(s: Session, job_id: str, rank: int, before_step: int, limit:
 
 
 def work_rows(s: Session, job_id: str, steps: list[int]) -> Sequence[Row[Any]]:
-    """(rank, step, step_time_s, comm_s) of the given steps, newest sample first."""
+    """(rank, step, step_time_s, comm_s) of the given steps in the current attempt, newest sample first."""
     return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.step_time_s, StepMetric.comm_s)
-                     .where(StepMetric.job_id == job_id, StepMetric.step.in_(steps))
+                     .where(StepMetric.job_id == job_id, StepMetric.step.in_(steps),
+                            StepMetric.attempt == current_attempt(s, job_id))
                      .order_by(StepMetric.id.desc())).all()
 
 
@@ -136,7 +169,8 @@ def collective_calls(s: Session, job_id: str, steps: list[int], limit: int) -> S
     """(rank, step, seq, duration_s) of the collectives of the given steps, at most ``limit`` rows."""
     return s.execute(select(CollectiveMetric.rank, CollectiveMetric.step, CollectiveMetric.seq,
                             CollectiveMetric.duration_s)
-                     .where(CollectiveMetric.job_id == job_id, CollectiveMetric.step.in_(steps))
+                     .where(CollectiveMetric.job_id == job_id, CollectiveMetric.step.in_(steps),
+                            CollectiveMetric.attempt == current_attempt(s, job_id))
                      .limit(limit)).all()
 
 
@@ -155,3 +189,22 @@ def rank0_steps_after(s: Session, job_id: str, since: float) -> Sequence[Row[Any
     """(step, ts) of rank 0's samples after ``since``, oldest first."""
     return s.execute(select(StepMetric.step, StepMetric.ts).where(
         StepMetric.job_id == job_id, StepMetric.rank == 0, StepMetric.ts > since).order_by(StepMetric.ts)).all()
+
+
+def last_step_ts_by_rank(s: Session, job_id: str) -> dict[int, float]:
+    """Rank -> time of its newest step sample in the current attempt (live recovery: ranks step on their own)."""
+    rows = s.execute(select(StepMetric.rank, func.max(StepMetric.ts)).where(
+        StepMetric.job_id == job_id, StepMetric.attempt == current_attempt(s, job_id)).group_by(StepMetric.rank)).all()
+    return {int(r): float(ts) for r, ts in rows}
+
+
+def rank_step_times_around(s: Session, job_id: str, rank: int | None, since: float) -> Sequence[Row[Any]]:
+    """(rank, ts) of the samples of ``rank`` (every rank: None) from the last one at or before ``since`` on,
+    oldest first."""
+    where = [StepMetric.job_id == job_id]
+    if rank is not None:
+        where.append(StepMetric.rank == rank)
+    before = select(StepMetric.rank, func.max(StepMetric.ts).label("ts")).where(*where, StepMetric.ts <= since) \
+        .group_by(StepMetric.rank)
+    after = select(StepMetric.rank, StepMetric.ts).where(*where, StepMetric.ts > since)
+    return s.execute(before.union_all(after).order_by("ts")).all()

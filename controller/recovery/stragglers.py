@@ -28,9 +28,13 @@ from controller.recovery.detectors import Finding
 from controller.schemas import IncidentKind, RecoveryThresholds
 
 
-def detect(s: Session, job: Job, th: RecoveryThresholds, checkpoint_interval: int) -> list[Finding]:
-    """A compute-slow straggler, else a late rank (see the module docstring)."""
+def detect(s: Session, job: Job, th: RecoveryThresholds, checkpoint_interval: int,
+           since: float | None = None) -> list[Finding]:
+    """A compute-slow straggler, else a late rank (see the module docstring). ``since``: steps that ended
+    before it are not scored (live recovery: a replaced rank's old process shares the run attempt)."""
     rows = reads.recent_compute(s, job.id, th.straggler_m * 3 * 64)
+    if since is not None:
+        rows = [r for r in rows if r.ts > since]
     by_step: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
     step_ts: dict[int, float] = {}
     for r in rows:  # newest first: after a restart, a replayed step keeps the new incarnation's row

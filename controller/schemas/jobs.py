@@ -186,6 +186,16 @@ class RecoveryPolicy(str, enum.Enum):
     OBSERVE = "observe"
     EVICT_RESTART = "evict_restart"
     ROLLBACK = "rollback"
+    LIVE = "live"  # every rank a torchft replica: survivors train on, a replacement heals from a peer
+
+
+LIVE_OPTIMIZERS: frozenset[str] = frozenset({
+    "adamw", "local_adamw", "slowmo", "dsm", "cser", "cser_pl", "ef_sgd", "qsparse_local_sgd",
+})
+"""Optimizer kinds that can run under ``recovery.policy: live``: their cross-replica traffic is all-reduce
+(SlowMo and DSM with ``params.sharded: false``). Sharded state (SDP4Bit, compressed Adam) cannot be healed
+from one live peer, and the DDP communication hooks (PowerSGD, fp16) need a fixed process group."""
+LIVE_NEEDS_UNSHARDED: frozenset[str] = frozenset({"slowmo", "dsm"})
 
 
 class RecoveryThresholds(_Strict):
@@ -244,7 +254,10 @@ class RecoveryThresholds(_Strict):
 class RecoverySpec(_Strict):
     """What the controller does when it detects a fault in this job."""
 
-    policy: RecoveryPolicy = Field(RecoveryPolicy.EVICT_RESTART, description="observe | evict_restart | rollback.")
+    policy: RecoveryPolicy = Field(
+        RecoveryPolicy.EVICT_RESTART,
+        description="observe | evict_restart | rollback | live (survivors train on while a failed rank is replaced "
+        "and heals from a live peer; all-reduce optimizers only: docs/RECOVERY.md).")
     max_restarts: int = Field(3, ge=0, le=100, description="Restarts without progress before the job FAILS.")
     thresholds: RecoveryThresholds = Field(
         default_factory=RecoveryThresholds, description="The detectors' thresholds for this job (defaults: docs/RECOVERY.md).")
@@ -355,6 +368,19 @@ class JobCreate(_Strict):
     def _script_needs_code(self) -> JobCreate:
         if parse_entrypoint(self.entrypoint).is_script and self.working_dir is None:
             raise ValueError("entrypoint: a script entry point needs working_dir (the code it runs)")
+        return self
+
+    @model_validator(mode="after")
+    def _live_needs_all_reduce(self) -> JobCreate:
+        if self.recovery.policy != RecoveryPolicy.LIVE:
+            return self
+        kind = self.optimizer.kind
+        if kind not in LIVE_OPTIMIZERS:
+            raise ValueError(f"recovery.policy: 'live' needs an all-reduce optimizer ({', '.join(sorted(LIVE_OPTIMIZERS))}); "
+                             f"optimizer.kind {kind!r} keeps the restart path: use 'evict_restart'")
+        if kind in LIVE_NEEDS_UNSHARDED and self.optimizer.params.get("sharded", True) is not False:
+            raise ValueError(f"recovery.policy: 'live' needs optimizer.params.sharded: false for {kind!r} "
+                             "(a sharded outer state cannot be healed from one live peer)")
         return self
 
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
+    Field,
 )
 
 from controller.schemas.telemetry import RankProcess
@@ -59,6 +60,11 @@ class Health(BaseModel):
     status: Literal["ok"]
     database: str
     version: str
+    leader: bool = Field(
+        True,
+        description="Whether this controller runs the supervisor, the monitor and the aggregation (holds the "
+        "leader lock); a standby on the same PostgreSQL database answers false. Always true on SQLite.",
+    )
 
 
 class LogsPublic(BaseModel):

@@ -36,9 +36,9 @@ from controller.schemas.nodes import NodeState
 class FaultKind(str, enum.Enum):
     """Faults the fault-injection API can cause. Each is carried out for real (see docs/RECOVERY.md)."""
 
-    KILL_RANK = "kill_rank"  # the node's agent sends SIGKILL to the rank's process
+    KILL_RANK = "kill_rank"  # the rank SIGKILLs itself as `step` begins (mode agent: its node's agent does, late)
     KILL_NODE = "kill_node"  # the node's agent kills the node's raylet (and its workers) and stops heartbeating
-    HANG_RANK = "hang_rank"  # the node's agent sends SIGSTOP to the rank's process
+    HANG_RANK = "hang_rank"  # the rank SIGSTOPs itself as `step` begins (mode agent: its node's agent does, late)
     SLOW_RANK = "slow_rank"  # the node's agent duty-cycles SIGSTOP/SIGCONT so the rank runs `factor` x slower
     NAN_LOSS = "nan_loss"  # the rank's loss becomes NaN from `step` (a one-shot fault file read by the rank)
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # bytes of the newest valid checkpoint are overwritten
@@ -55,6 +55,11 @@ class FaultStatus(str, enum.Enum):
     CLEARED = "CLEARED"  # undone (or never needed: the job ended first)
     FAILED = "FAILED"  # could not be carried out (message says why)
 
+
+PROCESS_MODES = ("rank", "agent")
+"""kill_rank's and hang_rank's ways: ``rank`` (default), the rank itself at exactly ``step`` (armed in
+its fault file as soon as the fault is created); ``agent``, its node's agent signals the process once
+the controller has seen the job reach ``step`` (the step it really hit is later: ``hit_step``)."""
 
 SLOW_MODES = ("throttle", "compute")
 """slow_rank's ways to slow a rank: ``throttle``, a SIGSTOP/SIGCONT duty cycle of its process by the
@@ -92,6 +97,8 @@ class FaultCreate(_Strict):
                 raise ValueError("params.factor: slow_rank's factor must be a number above 1 and at most 100")
             if self.params.get("mode", "throttle") not in SLOW_MODES:
                 raise ValueError(f"params.mode: slow_rank's mode must be one of {', '.join(SLOW_MODES)}")
+        if self.kind in (FaultKind.KILL_RANK, FaultKind.HANG_RANK) and self.params.get("mode", "rank") not in PROCESS_MODES:
+            raise ValueError(f"params.mode: {self.kind.value}'s mode must be one of {', '.join(PROCESS_MODES)}")
         return self
 
 
@@ -102,6 +109,9 @@ class FaultPublic(BaseModel):
     rank: int | None
     node_id: str | None
     step: int
+    hit_step: int | None = Field(None, description=(
+        "The step the fault really hit: reported by the rank for the faults it carries out itself (exact), "
+        "else the job's newest step when the agent carried it out; None until then."))
     params: dict[str, Any]
     status: FaultStatus
     message: str | None

@@ -43,6 +43,9 @@ class StepSample(_Strict):
     rank: int = Field(..., ge=0, le=1_000_000)
     world_size: int = Field(1, ge=1, le=1_000_000)
     step: int = Field(..., ge=0, le=INT32_MAX)
+    attempt: int = Field(0, ge=0, le=INT32_MAX, description=(
+        "Run attempt of the rank's worker group: increases at every restart of the ranks (0: unknown). "
+        "Re-run steps after a restore are new samples under a newer attempt; the newest attempt of a step wins."))
     ts: UnixTime = Field(..., description="Unix time the step ended.")
     loss: float | None = Field(..., description="Training loss; None when not finite (a finding, not bad input).")
     lr: float | None = None
@@ -66,6 +69,9 @@ class CollectiveSample(_Strict):
     job_id: JobRef
     rank: int = Field(..., ge=0, le=1_000_000)
     step: int = Field(..., ge=0, le=INT32_MAX)
+    attempt: int = Field(0, ge=0, le=INT32_MAX, description=(
+        "Run attempt of the rank's worker group: increases at every restart of the ranks (0: unknown). "
+        "Re-run steps after a restore are new samples under a newer attempt; the newest attempt of a step wins."))
     seq: int = Field(..., ge=0, le=INT32_MAX, description="Order of the call within the step.")
     op: Line = Field(..., min_length=1, max_length=64)
     group: Line = Field("world", max_length=64)
@@ -95,7 +101,21 @@ class CheckpointSample(_Strict):
     message: Text = Field("", max_length=1024)
 
 
-RankSample = Annotated[StepSample | CollectiveSample | CheckpointSample, Field(discriminator="kind")]
+class FaultSample(_Strict):
+    """An injected fault that the rank itself carried out (a fault file, trainer/faults.py), sent just
+    before acting: the step it really hit, for the fault's record (``hit_step``)."""
+
+    kind: Literal["fault"] = "fault"
+    job_id: JobRef
+    rank: int = Field(..., ge=0, le=1_000_000)
+    step: int = Field(..., ge=0, le=INT32_MAX, description="The step the fault hit.")
+    attempt: int = Field(0, ge=0, le=INT32_MAX)
+    ts: UnixTime
+    fault_id: int = Field(..., ge=0, le=INT64_MAX, description="The controller's fault id (from the fault file).")
+    fault_kind: Line = Field(..., min_length=1, max_length=32)
+
+
+RankSample = Annotated[StepSample | CollectiveSample | CheckpointSample | FaultSample, Field(discriminator="kind")]
 
 
 class RankProcess(_Strict):

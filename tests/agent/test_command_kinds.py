@@ -458,13 +458,13 @@ def test_agent_passes_its_rank_table_to_the_commands(short_dir, procs, live_cont
     agent = Agent(cfg)  # the real transports; the command runner is stepped by hand
     try:
         assert agent.commands is not None
-        (stop,) = live.fire(job, "hang_rank", rank=0)  # stop_pid of p: not a rank of this agent yet
+        (stop,) = live.fire(job, "hang_rank", rank=0, params={"mode": "agent"})  # stop_pid of p: not a rank of this agent yet
         assert (stop.kind, stop.args) == ("stop_pid", {"pid": p.pid})
         agent.commands.step()
         row = live.command_rows()[stop.id]
         assert row.status == "FAILED" and "refused" in (row.message or ""), row
         agent.receiver.ranks.observe([StepSample.model_validate(step_dict(0, job_id=job, rank=0, pid=p.pid))])
-        (kill,) = live.fire(job, "kill_rank", rank=0)  # kill_pid of p, SIGKILL
+        (kill,) = live.fire(job, "kill_rank", rank=0, params={"mode": "agent"})  # kill_pid of p, SIGKILL
         agent.commands.step()
         row = live.command_rows()[kill.id]
         assert row.status == "DONE", row

@@ -109,7 +109,9 @@ class Queue:
 
     def add(self, fault: str = "nan_loss", rank: int = 0, node: str = NODE, **fields: Any) -> int:
         """Queue one command: ``nan_loss`` -> write_fault_file (args name the rank), ``hang_rank`` ->
-        stop_pid, ``kill_node`` -> kill_node. Returns its id."""
+        stop_pid (its agent mode), ``kill_node`` -> kill_node. Returns its id."""
+        if fault in ("hang_rank", "kill_rank"):
+            fields.setdefault("params", {"mode": "agent"})
         # The rank's latest step (step 0) and process, as the node's agent reports them.
         self.live.heartbeat(node, [(self.job, rank, 40_000 + rank)], [step_sample(self.job, rank, 0)])
         target = {"node_id": node} if fault == "kill_node" else {"rank": rank}

@@ -17,6 +17,7 @@ import pytest
 from agent import netfaults
 from agent.netfaults import LinkCollector, NetFaults
 from controller.link import LinkSpec, shape_commands
+from controller.recovery import nic
 
 NS = "vigil-abc123-n1"
 
@@ -149,6 +150,20 @@ def test_link_collector_parses_tc() -> None:
     assert c.collect()["egress"]["overlimits_per_s"] == 10.0
     broken = LinkCollector("eth0", runner=lambda argv: subprocess.CompletedProcess(list(argv), 1, "", "no tc"))
     assert broken.collect()["available"] is False
+
+
+def test_a_link_with_loss_only_reports_no_rate_limit() -> None:
+    # Loss or latency alone ride in a class at the placeholder rate (100gbit): not a capacity. Reported
+    # as one, an untouched peer at its veth's 10 Gbit/s looked 10x slower than the lossy node.
+    def runner(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        if "qdisc" in argv:
+            return subprocess.CompletedProcess(list(argv), 0, "[]", "")
+        return subprocess.CompletedProcess(list(argv), 0, "class htb 1:1 root leaf 10: prio 0 rate 100Gbit ceil 100Gbit", "")
+
+    assert LinkCollector("eth0", runner=runner).collect()["rate_bps"] is None
+    obs = nic.observe({"nics": {"interfaces": {"eth0": {"speed_mbps": 10_000, "tx_bytes_per_s": 1.0, "rx_bytes_per_s": 1.0}}},
+                       "link": LinkCollector("eth0", runner=runner).collect()}, 1.0)
+    assert obs.capacity_bps == 10e9  # the NIC's own speed, as on its unshaped peers
 
 
 def test_shape_commands_layout() -> None:

@@ -72,7 +72,7 @@ def test_outage_and_controller_restart_store_every_step_once(short_dir, live_con
         wait_for(lambda: len(stored_steps()) == 300, what="300 steps stored")
         ctl.stop()  # the controller goes away
         send_job_steps(cfg.socket_path, job.id, 300, 600)
-        wait_for(lambda: any(cfg.spool_dir.glob("*.json.gz")), what="batches spooled")
+        wait_for(lambda: any(cfg.spool_dir.glob("*.gz")), what="batches spooled")
         ctl.start()  # a new controller process on the same database and port
         wait_for(lambda: len(stored_steps()) == 600, timeout=60, what="600 steps stored")
     assert stored_steps() == list(range(600))  # each step exactly once, none lost
@@ -83,7 +83,7 @@ def test_outage_and_controller_restart_store_every_step_once(short_dir, live_con
     assert node.agent_id == cfg.agent_id and node.hostname == cfg.hostname
     assert any(r.pid == os.getpid() for r in node.ranks)
     assert node.host["agent"]["spooled_batches"] == 0
-    assert not any(cfg.spool_dir.glob("*.json.gz"))
+    assert not any(cfg.spool_dir.glob("*.gz"))
 
 
 STUCK_RANK = """

@@ -86,7 +86,8 @@ def test_every_route_has_a_role_decision(tmp_path: Path) -> None:
             assert Role.ADMIN in rule, f"admin may do everything, not {method} {path}"
             if Role.JOB in rule:
                 assert "{job_id}" in path, f"a job token needs the job in the path: {method} {path}"
-            agent_routes = {("POST", "/api/v1/telemetry"), ("GET", "/api/v1/nodes/{node_id}/commands"),
+            agent_routes = {("POST", "/api/v1/telemetry"), ("POST", "/api/v1/telemetry/columnar"),
+                            ("GET", "/api/v1/nodes/{node_id}/commands"),
                             ("POST", "/api/v1/nodes/{node_id}/commands/{command_id}/result"),
                             ("GET", "/api/v1/whoami")}  # who am I: any valid token
             assert Role.AGENT not in rule or (method, path) in agent_routes, (

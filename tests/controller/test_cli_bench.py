@@ -26,3 +26,13 @@ def test_unknown_benchmark_is_refused() -> None:
     r = subprocess.run([sys.executable, "-m", "controller.cli", "bench", "nope"], capture_output=True, text=True,
                        timeout=60, check=False)
     assert r.returncode == 2 and "unknown benchmark 'nope'" in r.stderr
+
+
+def test_every_benchmark_is_named_in_the_help() -> None:
+    """`vigil --help` lists the benchmarks `vigil bench` knows (chaos among them, issue 14)."""
+    from controller.cli import build_parser
+
+    assert BENCHMARKS["chaos"] == "controller.bench.chaos"
+    help_text = " ".join(build_parser().format_help().split())
+    listed = help_text[help_text.index("Benchmarks ("):].split(")")[0]
+    assert sorted(x.strip() for x in listed.removeprefix("Benchmarks (").split(",")) == sorted(BENCHMARKS)

@@ -64,6 +64,10 @@ def test_fault_incidents_recover_evict_readmit(live: tuple[str, Any], capsys: py
     assert "slow_rank PENDING" in capsys.readouterr().out
     assert cli.main(["fault", job_id, "slow_rank", "--param", "nokey"]) == 2
     capsys.readouterr()
+    assert cli.main(["faults", job_id]) == 0  # the step asked for; none hit yet
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].split()[:6] == ["ID", "KIND", "TARGET", "STEP", "HIT", "STATUS"]
+    assert listed[1].split()[1:7] == ["slow_rank", "rank", "1", "0", "-", "PENDING"]
     # What the wire schema refuses is refused before it is sent (the API would answer 422): exit 1, naming the field.
     assert cli.main(["fault", job_id, "teleport", "--rank", "1"]) == 1
     assert "kind: Input should be" in capsys.readouterr().err

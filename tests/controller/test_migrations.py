@@ -8,7 +8,7 @@ from __future__ import annotations
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from controller import migrate
 from controller.db import make_engine
@@ -56,3 +56,33 @@ def test_sqlite_runs_in_wal_mode(sqlite_url: str) -> None:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     finally:
         engine.dispose()
+
+
+def test_sample_attempts_number_the_rows_stored_before_them(db_url: str) -> None:
+    """0007 adds a unique key per sample: rows stored before, where a rank re-ran a step after a restore
+    (several rows of one job, rank and step), become attempts 0, 1, ... in arrival order, not a
+    failed upgrade or lost rows."""
+    migrate.upgrade(db_url, "0006_views")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO jobs (id, name, status, spec, created_at, restarts, stalled_restarts) "
+                              "VALUES ('j', 'j', 'RUNNING', '{}', CURRENT_TIMESTAMP, 0, 0)"))
+            for rank, step, ts in [(0, 1, 1.0), (0, 2, 2.0), (0, 2, 9.0), (1, 2, 2.0), (0, 2, 12.0)]:
+                conn.execute(text("INSERT INTO step_metrics (job_id, node_id, rank, step, ts, tokens, step_time_s, "
+                                  "tokens_per_s, dropped) VALUES ('j', 'n', :r, :s, :t, 0, 0.1, 0, 0)"),
+                             {"r": rank, "s": step, "t": ts})
+            for seq, ts in [(0, 2.0), (1, 2.0), (0, 9.0)]:
+                conn.execute(text("INSERT INTO collective_metrics (job_id, node_id, rank, step, seq, op, \"group\", "
+                                  "tag, payload_bytes, wire_bytes, elements, duration_s, ts) "
+                                  "VALUES ('j', 'n', 0, 2, :q, 'all_reduce', 'world', '', 1, 1, 1, 0.1, :t)"),
+                             {"q": seq, "t": ts})
+        migrate.upgrade(db_url)
+        with engine.connect() as conn:
+            steps = conn.execute(text("SELECT rank, step, ts, attempt FROM step_metrics ORDER BY id")).all()
+            colls = conn.execute(text("SELECT seq, ts, attempt FROM collective_metrics ORDER BY id")).all()
+    finally:
+        engine.dispose()
+    assert [tuple(r) for r in steps] == [(0, 1, 1.0, 0), (0, 2, 2.0, 0), (0, 2, 9.0, 1), (1, 2, 2.0, 0),
+                                         (0, 2, 12.0, 2)]
+    assert [tuple(r) for r in colls] == [(0, 2.0, 0), (1, 2.0, 0), (0, 9.0, 1)]

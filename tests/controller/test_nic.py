@@ -31,14 +31,15 @@ NODES = ["vigil-node-1", "vigil-node-2", "vigil-node-3", "vigil-node-4"]
 
 
 def host(tx_mbps: float, rate_mbps: float | None = 1000.0, carrier: int = 2, operstate: str = "up",
-         errors: float = 0.0, overlimits: float = 0.0) -> dict[str, Any]:
+         errors: float = 0.0, overlimits: float = 0.0, retrans: float | None = 0.0005) -> dict[str, Any]:
     eth0 = {"rx_bytes": 10**9, "tx_bytes": 10**9, "operstate": operstate, "speed_mbps": 10000,
             "carrier_changes": carrier, "tx_bytes_per_s": tx_mbps * 1e6 / 8, "rx_bytes_per_s": tx_mbps * 1e6 / 8,
             "rx_errors_per_s": errors, "tx_errors_per_s": 0.0, "rx_dropped_per_s": 0.0, "tx_dropped_per_s": 0.0}
     ifb0 = {**eth0, "carrier_changes": 0}
     link = {"available": True, "iface": "eth0", "rate_bps": None if rate_mbps is None else int(rate_mbps * 1e6),
             "egress": {"overlimits_per_s": overlimits}, "ingress": None}
-    return {"nics": {"available": True, "interfaces": {"eth0": eth0, "ifb0": ifb0}}, "link": link}
+    tcp = {"available": True, "out_segs_per_s": 5000.0, "retrans_ratio": retrans}
+    return {"nics": {"available": True, "interfaces": {"eth0": eth0, "ifb0": ifb0}, "tcp": tcp}, "link": link}
 
 
 @dataclass
@@ -51,18 +52,20 @@ class Rig:
     step: int = 0
     detector: NicDetector = field(default_factory=NicDetector)
 
-    def beat(self, hosts: dict[str, dict[str, Any]], comm_s: float = 0.02, compute_s: float = 0.1) -> None:
-        """One heartbeat of every node (a step of every rank with it); the clock moves 1 s."""
+    def beat(self, hosts: dict[str, dict[str, Any]], comm_s: float = 0.02, compute_s: float = 0.1,
+             away: frozenset[str] = frozenset()) -> None:
+        """One heartbeat of every node (a step of every rank with it, none on the nodes ``away``: their
+        ranks are gone); the clock moves 1 s."""
         self.now += 1.0
         self.step += 1
         for rank, node in enumerate(NODES):
             self.seq += 1
             step = {"kind": "step", "job_id": self.job_id, "rank": rank, "step": self.step, "ts": self.now,
                     "loss": 3.0, "step_time_s": comm_s + compute_s, "fwd_bwd_s": compute_s, "comm_s": comm_s}
+            ranks = [] if node in away else [{"job_id": self.job_id, "rank": rank, "pid": 100 + rank, "alive": True}]
             body = {"agent_id": f"agent-{node}", "node_id": node, "seq": self.seq, "sent_at": self.now,
-                    "samples": [step],
-                    "heartbeat": {"ts": self.now, "hostname": node, "host": hosts[node],
-                                  "ranks": [{"job_id": self.job_id, "rank": rank, "pid": 100 + rank, "alive": True}]}}
+                    "samples": [] if node in away else [step],
+                    "heartbeat": {"ts": self.now, "hostname": node, "host": hosts[node], "ranks": ranks}}
             r = self.client.post(f"{API}/telemetry", json=body)
             assert r.status_code == 200, r.text
 
@@ -116,6 +119,24 @@ def test_degraded_link_needs_k_of_m_heartbeats_and_names_the_rank_communication_
     assert merged[0].evidence["nic_classes"] == ["capacity", "saturated"]
 
 
+def test_a_node_that_comes_back_is_judged_on_what_it_shows_now(rig: Rig) -> None:
+    # Node 3's link degraded and found; its ranks left it (evicted) and its link was repaired meanwhile.
+    # When ranks return, its old heartbeats are no evidence (a chaos run re-found a cleared link so).
+    for _ in range(8):
+        rig.beat(healthy())
+        rig.detect()
+    for _ in range(4):
+        rig.beat({n: host(240.0, 250.0 if n == NODES[2] else 1000.0) for n in NODES})
+        found = rig.detect()
+    assert "capacity" in {f.cls for f in found if f.node_id == NODES[2]}
+    for _ in range(3):
+        rig.beat(healthy(), away=frozenset({NODES[2]}))
+        assert not [f for f in rig.detect() if f.node_id == NODES[2]]
+    for _ in range(4):
+        rig.beat(healthy())
+        assert rig.detect() == []
+
+
 def test_a_node_that_only_sends_more_is_not_saturated(rig: Rig) -> None:
     for _ in range(8):
         rig.beat({n: host(900.0 if n == NODES[0] else 300.0) for n in NODES})
@@ -136,6 +157,33 @@ def test_flap_down_and_errors(rig: Rig) -> None:
         rig.beat(healthy(**{NODES[3]: host(300.0, errors=50.0), NODES[1]: host(300.0, carrier=4)}))
         found = rig.detect()
     assert (NODES[3], "nic-errors") in {(f.node_id, f.cls) for f in found}
+
+
+def test_a_lossy_link_is_named_by_its_retransmits(rig: Rig) -> None:
+    # Loss on the wire leaves the NIC's counters clean; the sender's TCP retransmits show it.
+    for _ in range(8):
+        rig.beat(healthy(), comm_s=0.02)
+        rig.detect()
+    found: list[list[NicFinding]] = []
+    for _ in range(4):
+        rig.beat(healthy(**{NODES[1]: host(300.0, retrans=0.06), NODES[2]: host(300.0, retrans=None)}), comm_s=0.09)
+        found.append(rig.detect())
+    assert found[1] == [] and "retransmits" in {f.cls for f in found[2]}  # k = 3 heartbeats
+    assert {(f.node_id, f.cls) for f in found[-1] if f.kind == IncidentKind.NIC_DEGRADED} == {(NODES[1], "retransmits")}
+    lossy = next(f for f in found[-1] if f.cls == "retransmits")
+    assert lossy.evidence["retrans_ratio"] == 0.06 and lossy.evidence["peers_median_retrans_ratio"] == 0.0005
+    assert [(f.rank, f.cls) for f in found[-1] if f.kind == IncidentKind.STRAGGLER] == [(1, "communication-slow")]
+    # Node 3's link degraded: node 4, which sends to it, retransmits what node 3's queue dropped (seen
+    # on a real shaped link). Node 3's sick link explains that: only node 3 is named.
+    for _ in range(4):
+        rig.beat({n: host(240.0, 250.0 if n == NODES[2] else 1000.0, retrans=0.08 if n == NODES[3] else 0.0005)
+                  for n in NODES}, comm_s=0.09)
+        found = rig.detect()
+    assert {f.node_id for f in found} == {NODES[2]}, found
+    # The same ratio on every node (a congested fabric, not one node's link): nothing.
+    for _ in range(4):
+        rig.beat({n: host(300.0, retrans=0.06) for n in NODES}, comm_s=0.09)
+        assert not [f for f in rig.detect() if f.cls == "retransmits" and f.node_id != NODES[1]]
 
 
 def test_interface_choice_and_unavailable_data() -> None:

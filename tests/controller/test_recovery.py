@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from controller.app import create_app
 from controller.launcher import LaunchStatus, RayNode
-from controller.recovery.monitor import Monitor
+from controller.recovery.monitor import ON_RECORD_S, Monitor
 from controller.recovery.stacks import group_stacks, signature
 from controller.schemas import JobStatus
 from controller.settings import Settings
@@ -63,6 +63,8 @@ class Env:
     pids: dict[int, int] = field(default_factory=lambda: {0: 1000, 1: 1001})
     nodes: dict[int, str] = field(default_factory=lambda: {0: "vigil-node-1", 1: "vigil-node-2"})
     alive: dict[int, bool] = field(default_factory=lambda: {0: True, 1: True})
+    attempt: int = 1
+    max_step: int = 0
 
     def post(self, samples: list[dict], node: str, heartbeat: bool = True) -> None:
         self.seq += 1
@@ -77,14 +79,18 @@ class Env:
 
     def steps(self, first: int, last: int, compute: dict[int, float] | None = None, loss: float | None = 3.0,
               dt: float = 0.2) -> None:
-        """Ranks report steps first..last, ``dt`` apart on the fake clock, with heartbeats."""
+        """Ranks report steps first..last, ``dt`` apart on the fake clock, with heartbeats. Steps reported
+        before are a re-run after a restart: the ranks' next run attempt."""
         compute = compute or {}
+        if first <= self.max_step:
+            self.attempt += 1
+        self.max_step = max(self.max_step, last)
         for st in range(first, last + 1):
             self.clock.now += dt
             for rank, node in self.nodes.items():
                 c = compute.get(rank, 0.05)
-                self.post([{"kind": "step", "job_id": self.job_id, "rank": rank, "step": st, "ts": self.clock.now,
-                            "loss": loss, "step_time_s": 0.2, "fwd_bwd_s": c, "comm_s": 0.01}], node)
+                self.post([{"kind": "step", "job_id": self.job_id, "rank": rank, "step": st, "attempt": self.attempt,
+                            "ts": self.clock.now, "loss": loss, "step_time_s": 0.2, "fwd_bwd_s": c, "comm_s": 0.01}], node)
 
     def heartbeats(self, nodes: list[str] | None = None) -> None:
         for node in nodes or sorted(set(self.nodes.values())):
@@ -172,7 +178,8 @@ def test_a_restarted_controller_does_not_take_its_own_absence_for_lost_nodes_or_
 
 def test_kill_rank_fault_fires_at_step_and_death_is_named(env: Env) -> None:
     env.steps(1, 3)
-    r = env.client.post(f"{API}/jobs/{env.job_id}/faults", json={"kind": "kill_rank", "rank": 1, "step": 5})
+    r = env.client.post(f"{API}/jobs/{env.job_id}/faults",
+                        json={"kind": "kill_rank", "rank": 1, "step": 5, "params": {"mode": "agent"}})
     assert r.status_code == 201
     env.monitor.step()
     assert env.commands("vigil-node-2") == []  # not yet at step 5
@@ -222,6 +229,94 @@ def test_the_rank_that_died_first_is_named_not_the_ones_taken_down_after_it(env:
     inc = env.incidents()
     assert [(i["kind"], i["rank"], i["node_id"]) for i in inc] == [("rank_died", 1, "vigil-node-2")]
     assert inc[0]["evidence"]["also_dead"] == {"0": pytest.approx(now)}
+
+
+def test_a_dead_pid_of_an_older_worker_group_is_never_named(env: Env) -> None:
+    """After a restart, an agent may still list the old group's processes as dead (Vigil's own kill, a
+    rollback, Ray Train's restart): those deaths predate the current group and open nothing; a death in
+    the current group is named with its own pid."""
+    env.steps(1, 5)
+    old_death = env.clock.now
+    env.clock.now += 3
+    env.pids = {0: 2000, 1: 2001}  # the new group (the next run attempt) runs steps 4.. again
+    env.steps(4, 8)
+    assert env.attempt == 2
+
+    def heartbeat(seq: int, new_alive: bool, dead_since: float) -> None:
+        ranks = [{"job_id": env.job_id, "rank": 1, "pid": 1001, "alive": False, "dead_since": old_death},
+                 {"job_id": env.job_id, "rank": 1, "pid": 2001, "alive": new_alive,
+                  **({} if new_alive else {"dead_since": dead_since})}]
+        body = {"agent_id": "agent-vigil-node-2", "node_id": "vigil-node-2", "seq": seq, "sent_at": env.clock.now,
+                "samples": [], "heartbeat": {"ts": env.clock.now, "ranks": ranks}}
+        assert env.client.post(f"{API}/telemetry", json=body).status_code == 200
+
+    env.clock.now += 2  # longer than the death grace (1.5 s)
+    env.heartbeats(["vigil-node-1"])
+    heartbeat(950, True, 0.0)
+    env.monitor.step()
+    assert env.incidents() == []  # the stale pid 1001 is not a new death
+    died = env.clock.now
+    env.clock.now += 2
+    env.heartbeats(["vigil-node-1"])
+    heartbeat(951, False, died)
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["evidence"]["pid"]) for i in inc] == [("rank_died", 1, 2001)]
+
+
+def test_a_restarted_controller_waits_for_agents_to_retry_before_judging_nodes_lost(env: Env) -> None:
+    """An agent that found the controller down retries after its backoff (up to 10 s): after a
+    (re)start the monitor gives silence ``reconnect_grace_s`` on top of the node timeout."""
+    env.steps(1, 3)
+    env.monitor.reconnect_grace_s = 11.0
+    env.monitor.started_at = env.clock.now  # the controller (re)started now; the agents are silent since
+    env.clock.now += 14.0  # 4 s node timeout + 11 s grace not over yet
+    env.monitor.step()
+    assert env.incidents() == []
+    env.clock.now += 2.0
+    env.monitor.step()
+    assert sorted((i["kind"], i["node_id"]) for i in env.incidents()) == [
+        ("node_lost", "vigil-node-1"), ("node_lost", "vigil-node-2")]
+
+
+def test_an_action_whose_restart_never_comes_fails_and_detection_resumes(env: Env) -> None:
+    """Vigil acted (rank 1 died: Ray Train restarts the group) but the group never comes back: after
+    the acting timeout the incident is FAILED, not left ACTING for ever muting the detectors, and the
+    job is judged afresh (no step for that long: a hang)."""
+    env.steps(1, 5)
+    env.alive[1] = False
+    env.heartbeats()
+    env.clock.now += 2
+    env.heartbeats()
+    env.monitor.step()
+    (died,) = env.incidents()
+    assert (died["kind"], died["status"]) == ("rank_died", "ACTING")
+    for _ in range(19):  # 190 s of heartbeats and no step
+        env.clock.now += 10
+        env.heartbeats()
+        env.monitor.step()
+    inc = {i["kind"]: i for i in env.incidents()}
+    assert inc["rank_died"]["status"] == "FAILED" and "no step within 180 s" in inc["rank_died"]["action"]
+    assert "hang" in inc  # judged afresh
+    events = env.client.get(f"{API}/events", params={"job_id": env.job_id, "limit": 200}).json()["data"]
+    assert any(e["kind"] == "incident_failed" for e in events)
+
+
+def test_stragglers_and_nan_are_judged_on_the_current_attempt_only(env: Env) -> None:
+    """Samples of the old group that arrive after a restart (late, or replayed by an agent) are not
+    compared with the new group's: no straggler from the mix, no second NaN rollback."""
+    env.steps(1, 30)
+    env.monitor.step()
+    env.pids = {0: 2000, 1: 2001}
+    env.steps(21, 40)  # attempt 2: steps 21.. again, healthy
+    # The old attempt's steps 31-40, slow on rank 0 and with a NaN loss, arrive only now.
+    now = env.clock.now
+    env.post([{"kind": "step", "job_id": env.job_id, "rank": 0, "step": st, "attempt": 1, "ts": now - 1,
+               "loss": None, "step_time_s": 0.9, "fwd_bwd_s": 0.8, "comm_s": 0.01} for st in range(31, 41)],
+             "vigil-node-1")
+    env.steps(41, 45)
+    env.monitor.step()
+    assert env.incidents() == []
 
 
 def test_hang_collects_stacks_names_odd_rank_and_evicts(env: Env) -> None:
@@ -452,6 +547,22 @@ def test_a_node_the_job_cannot_do_without_is_not_evicted(env: Env) -> None:
     assert "would not fit" in inc[0]["action"] and env.cluster.drained == []
     refused = [e for e in env.client.get(f"{API}/events").json()["data"] if e["kind"] == "eviction_refused"]
     assert [e["node_id"] for e in refused] == ["vigil-node-2"] and "would not fit" in refused[0]["message"]
+    # Still slow on every later pass: that one incident stays the record, none opened per pass (a live
+    # chaos run opened 300 in 4 minutes), also by a restarted monitor that only has the database.
+    for first in (33, 45):
+        env.steps(first, first + 11, compute={1: 0.15})
+        env.monitor.step()
+    restarted = Monitor(env.monitor.sessions, env.launcher, env.cluster, clock=env.clock)
+    env.steps(57, 68, compute={1: 0.15})
+    restarted.step()
+    assert len(env.incidents()) == 1
+    # Seen again after a minute without it (and the rank back to its own pace for a while): a new incident.
+    env.steps(69, 130)
+    env.monitor.step()
+    env.clock.now += ON_RECORD_S
+    env.steps(131, 142, compute={1: 0.15})
+    env.monitor.step()
+    assert [(i["kind"], i["status"]) for i in env.incidents()] == [("straggler", "CLOSED")] * 2
 
 
 def test_a_straggler_node_is_evicted_when_the_others_have_room(env: Env) -> None:
@@ -554,3 +665,88 @@ def test_waits_that_change_sides_are_not_a_straggler(env: Env) -> None:
     _synced_steps(env, 71, 90, late={1: 0.02})  # late every step, but by 20 ms: scheduling noise
     env.monitor.step()
     assert env.incidents() == []
+
+
+def _rank_steps(env: Env, rank: int, first: int, last: int, dt: float = 0.2) -> None:
+    """Only ``rank`` reports steps first..last (live recovery: the survivors step without the others)."""
+    for st in range(first, last + 1):
+        env.clock.now += dt
+        env.post([{"kind": "step", "job_id": env.job_id, "rank": rank, "step": st, "attempt": env.attempt,
+                   "ts": env.clock.now, "loss": 3.0, "step_time_s": 0.2, "fwd_bwd_s": 0.05, "comm_s": 0.01}],
+                 env.nodes[rank])
+    env.heartbeats()
+
+
+def _replaced(env: Env, alone: range) -> None:
+    """Rank 0 steps ``alone`` (the incident still ACTING after), then rank 1, in a new process, steps again
+    after a pause of its own: RECOVERED."""
+    _rank_steps(env, 0, alone.start, alone.stop - 1)
+    env.monitor.step()
+    assert env.incidents()[0]["status"] == "ACTING"
+    env.pids[1], env.alive[1] = 2001, True
+    env.clock.now += 4
+    _rank_steps(env, 1, alone.stop, alone.stop)
+    env.monitor.step()
+    assert env.incidents()[0]["status"] == "RECOVERED"
+
+
+@pytest.mark.parametrize("env", [{"recovery": {"policy": "live"}}], indirect=True)
+def test_live_a_rank_silent_while_its_peers_step_is_a_hang_its_replica_alone_is_replaced(env: Env) -> None:
+    env.steps(1, 20)
+    env.monitor.step()
+    _rank_steps(env, 0, 21, 60)  # 8 s: rank 1 silent, rank 0 trains on (under the 15 s floor)
+    env.monitor.step()
+    assert env.incidents() == []
+    _rank_steps(env, 0, 61, 100)  # 16 s
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["node_id"]) for i in inc] == [("hang", 1, "vigil-node-2")]
+    dumps = {n: env.commands(n) for n in ("vigil-node-1", "vigil-node-2")}
+    training = 'Thread 0x1 (idle): "MainThread"\n    forward (model.py:120)\n    train (train.py:190)\n'
+    env.answer("vigil-node-1", dumps["vigil-node-1"][0]["id"], output={"stacks": {"0": training}})
+    env.answer("vigil-node-2", dumps["vigil-node-2"][0]["id"], output={"stacks": {"1": training}})
+    env.monitor.step()
+    inc = env.incidents()[0]
+    # Stacks alike (no odd rank out): the rank found silent on its own is the suspect, and only it is killed;
+    # nothing is evicted, the survivors are not touched.
+    assert inc["status"] == "ACTING" and inc["action"].startswith("live: killed hung rank(s) [1]")
+    assert [c["args"]["pid"] for c in env.commands("vigil-node-2") if c["kind"] == "kill_pid"] == [1001]
+    assert env.commands("vigil-node-1") == [] or all(c["kind"] != "kill_pid" for c in env.commands("vigil-node-1"))
+    assert env.cluster.drained == []
+    # Rank 0's quorum pause is not the replacement; rank 1 stepping again after its gap is.
+    _replaced(env, range(101, 106))
+
+
+@pytest.mark.parametrize("env", [{"recovery": {"policy": "live"}}], indirect=True)
+def test_live_a_dead_rank_is_left_to_ray_and_recovered_when_its_replacement_steps(env: Env) -> None:
+    env.steps(1, 10)
+    env.alive[1] = False
+    env.heartbeats()
+    env.clock.now += 2
+    env.heartbeats()
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["status"]) for i in inc] == [("rank_died", 1, "ACTING")]
+    assert "heals from a live peer" in inc[0]["action"]
+    assert not any(c["kind"] == "kill_pid" for n in ("vigil-node-1", "vigil-node-2") for c in env.commands(n))
+    _replaced(env, range(11, 21))
+
+
+@pytest.mark.parametrize("env", [{"recovery": {"policy": "live"}}], indirect=True)
+def test_live_a_straggler_is_replaced_away_from_its_node_and_its_old_steps_do_not_name_it_again(env: Env) -> None:
+    env.steps(1, 20)
+    env.steps(21, 32, compute={1: 0.15})
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"], i["status"]) for i in inc] == [("straggler", 1, "ACTING")]
+    assert env.cluster.drained == [("vigil-node-2", 5.0)]
+    assert [c["args"]["pid"] for c in env.commands("vigil-node-2") if c["kind"] == "kill_pid"] == [1001]
+    _rank_steps(env, 0, 33, 50)  # rank 0 trains on while Ray starts rank 1 again on another node
+    env.nodes[1], env.pids[1] = "vigil-node-3", 2001
+    env.steps(51, 53)  # back, at its peer's pace
+    env.monitor.step()
+    assert env.incidents()[0]["status"] == "RECOVERED"
+    # Rank 1's slow steps of its old process share the run attempt with the new one's; they are not
+    # scored again once it is back (before: a second straggler, and a second node evicted).
+    env.monitor.step()
+    assert len(env.incidents()) == 1 and len(env.cluster.drained) == 1

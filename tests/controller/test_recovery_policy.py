@@ -228,3 +228,38 @@ def test_a_move_to_the_same_status_changes_nothing_and_terminal_statuses_are_fin
     assert {s for s in S if incidents.is_terminal(s)} == {S.RECOVERED, S.FAILED, S.CLOSED}
     with pytest.raises(incidents.IllegalIncidentTransition):
         incidents.close(Incident(id=2, kind=K.STRAGGLER.value, status=S.RECOVERED.value), "late")
+
+
+# -- live: a failed rank's replica is replaced while the others train on ---------------------------------------
+
+LIVE = "live"
+
+
+@pytest.mark.parametrize("kind", [K.NODE_LOST, K.RANK_DIED])
+def test_live_lets_ray_restart_the_replica_and_kills_nothing(kind: IncidentKind) -> None:
+    d = decide(finding(kind), spec(LIVE), History())
+    assert d.action == Action.RESTART and d.kill == () and not d.kill_all and d.evict is None
+    assert d.reason is not None and d.reason.startswith("live: ") and "heals from a live peer" in d.reason
+
+
+def test_live_kills_only_the_diagnosed_hung_rank_and_evicts_nothing() -> None:
+    assert decide(finding(K.HANG), spec(LIVE), History()).action == Action.DIAGNOSE
+    d = decide(finding(K.HANG, stage=Stage.DIAGNOSED), spec(LIVE), History())
+    assert (d.action, d.kill, d.kill_all, d.evict) == (Action.RESTART, (1,), False, None)
+
+
+@pytest.mark.parametrize("kind", [K.STRAGGLER, K.NIC_DEGRADED])
+def test_live_replaces_a_slow_ranks_replica_away_from_its_node(kind: IncidentKind) -> None:
+    d = decide(finding(kind), spec(LIVE), History())
+    assert (d.action, d.kill, d.evict, d.kill_all) == (Action.EVICT_AND_RESTART, (1,), "n2", False)
+    # Where the node cannot go (the head, or no room elsewhere), the replica alone is replaced.
+    for history in (History(head_nodes=frozenset({"n2"})), History(no_room=frozenset({"n2"}))):
+        d = decide(finding(kind), spec(LIVE), history)
+        assert (d.action, d.kill, d.evict) == (Action.RESTART, (1,), None)
+    # A finding without a rank on such a node stays on record.
+    assert decide(finding(kind, rank=None), spec(LIVE), History(no_room=frozenset({"n2"}))).action == Action.CLOSE
+
+
+def test_live_rolls_every_replica_back_from_disk_on_nan_loss() -> None:
+    d = decide(finding(K.NAN_LOSS, node=None), spec(LIVE), History())
+    assert d.action == Action.ROLLBACK and d.kill_all

@@ -168,9 +168,15 @@ def check_stored(client: TestClient, job: str, samples: list[dict]) -> None:
 # --- aggregation --------------------------------------------------------------------------------
 
 
-def test_aggregates_follow_the_definition_and_both_paths_agree(client: TestClient) -> None:
+@pytest.mark.parametrize("missing", [False, True], ids=["every-call", "a-call-missing"])
+def test_aggregates_follow_the_definition_and_both_paths_agree(client: TestClient, missing: bool) -> None:
+    """Both database paths (each rank made every call: waits from the totals; a call missing on one
+    rank: the per-row window) agree with the row-by-row definition."""
     job = _job(client)
     samples = random_run(job, ranks=4, steps=3, calls=5, seed=1)
+    if missing:  # rank 2 never reported call 3 of step 1
+        samples = [x for x in samples if not (x["kind"] == "collective" and x["rank"] == 2 and x["step"] == 1
+                                              and x["seq"] == 3)]
     # Spread over batches from two agents, in an order that interleaves steps.
     half = len(samples) // 2
     post(client, samples[half:], 0, agent="a2", node="n2")
@@ -205,9 +211,11 @@ def test_rerun_step_latest_samples_win(client: TestClient) -> None:
     first = random_run(job, ranks=3, steps=2, calls=2, seed=2)
     post(client, first, 0)
     client.app.state.telemetry.flush()
-    # Rank 1 restarts from a checkpoint and re-runs step 1, much slower this time.
+    # Rank 1 restarts from a checkpoint and re-runs step 1 (its next run attempt), much slower this time.
     now = time.time()
     rerun = [step_sample(job, 1, 1, 0.9, now)] + [coll_sample(job, 1, 1, q, 0.5, now) for q in range(2)]
+    for sample in rerun:
+        sample["attempt"] = 1
     post(client, rerun, 1)
     assert _count(client, TelemetryDirtyStep) == 1
     client.app.state.telemetry.flush()

@@ -195,8 +195,8 @@ def test_rerun_step_keeps_its_latest_attempt(live_controller: LiveController) ->
     t0 = time.time() - 100
     post_steps(lc, job, [(r, s, t0 + s, 0.5) for s in range(1, 7) for r in range(2)])
     flush(lc)
-    # A restart from the checkpoint of step 3: steps 4..6 again, later and slower.
-    post_steps(lc, job, [(r, s, t0 + 20 + s, 0.9 + r / 10) for s in range(4, 7) for r in range(2)])
+    # A restart from the checkpoint of step 3 (the ranks' next run attempt): steps 4..6 again, later and slower.
+    post_steps(lc, job, [(r, s, t0 + 20 + s, 0.9 + r / 10) for s in range(4, 7) for r in range(2)], attempt=1)
     for aggregated in (False, True):
         if aggregated:
             flush(lc)
@@ -255,7 +255,7 @@ def test_markers_at_their_steps(live_controller: LiveController) -> None:
     lc.post_batch("n1", [CheckpointSample(job_id=job, step=5, ts=t0 + 5.2, path="/ck/5")])
     lc.post_batch("n9", [])  # a node that never ran the job
     flush(lc)
-    fault = lc.inject_fault(job, "kill_rank", rank=0, step=3)
+    fault = lc.inject_fault(job, "kill_rank", rank=0, step=3, params={"mode": "agent"})
     lc.monitor_pass()  # fires the fault (the job is at step 10)
     with lc.client() as admin:
         admin.evict_node("n2")
@@ -264,7 +264,7 @@ def test_markers_at_their_steps(live_controller: LiveController) -> None:
     # The ranks come back from the checkpoint of step 5: step 6 again, then 7 and 8.
     t1 = time.time() + 1
     for node, rank in (("n1", 0), ("n2", 1)):
-        post_steps(lc, job, [(rank, s, t1 + s - 6, 0.5) for s in range(6, 9)], node=node)
+        post_steps(lc, job, [(rank, s, t1 + s - 6, 0.5) for s in range(6, 9)], node=node, attempt=1)
     lc.monitor_pass()  # sees the restart: the incident is recovered, a restart counted
     with viewer(lc) as c:
         checkpoint_id = c.job_checkpoints(job).data[0].id
@@ -313,7 +313,7 @@ def test_heatmap_bins_ten_ranks_into_four_rows(any_lc: LiveController) -> None:
     # Ranks 0..9, steps 10..16; rank 9 reports no step of 13..15; step 16 is re-run by rank 0 (faster).
     rows = [(r, s, t0 + s, st(r, s)) for s in range(10, 17) for r in range(10) if not (r == 9 and 13 <= s <= 15)]
     post_steps(lc, job, rows)
-    post_steps(lc, job, [(0, 16, t0 + 30, 0.001)])
+    post_steps(lc, job, [(0, 16, t0 + 30, 0.001)], attempt=1)
     for aggregated in (False, True):
         if aggregated:
             flush(lc)
@@ -467,7 +467,7 @@ def test_goodput_endpoint_on_a_constructed_timeline(live_controller: LiveControl
     post_steps(lc, job, rows)
     lc.post_batch("n1", [CheckpointSample(job_id=job, step=4, ts=T + 6.8, path="/ck/4")])
     flush(lc)
-    post_steps(lc, job, [(r, k, T + 26 + k, 1.0) for k in range(5, 10) for r in range(2)])
+    post_steps(lc, job, [(r, k, T + 26 + k, 1.0) for k in range(5, 10) for r in range(2)], attempt=1)
     set_job_times(lc, job, started=T, finished=T + 40)
     dt = lambda t: datetime.fromtimestamp(T + t, UTC)
     with session_scope(lc.app.state.sessions) as s:

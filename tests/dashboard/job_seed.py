@@ -62,30 +62,33 @@ def _node(rank: int) -> str:
     return next(n for n, ranks in NODES.items() if rank in ranks)
 
 
-def _step_samples(job_id: str, rank: int, step: int, ts: float) -> list[Any]:
+def _step_samples(job_id: str, rank: int, step: int, ts: float, attempt: int = 1) -> list[Any]:
     slow = rank == SLOW
     fwd = 0.45 if slow else 0.05
     wait = 0.0 if slow else 0.008  # the others wait for the straggler inside the all-reduce
     comm = 0.02 + wait
     samples: list[Any] = [StepSample(
-        job_id=job_id, rank=rank, world_size=RANKS, step=step, ts=ts, loss=4.0 / (1 + 0.05 * step) + 0.001 * rank,
+        job_id=job_id, rank=rank, world_size=RANKS, step=step, attempt=attempt, ts=ts,
+        loss=4.0 / (1 + 0.05 * step) + 0.001 * rank,
         val_loss=(3.9 / (1 + 0.05 * step)) if step % 10 == 0 else None, tokens=512,
         step_time_s=0.01 + fwd + 0.01 + comm, tokens_per_s=512 / (0.04 + fwd + wait), data_s=0.01, fwd_bwd_s=fwd,
         optim_s=0.01, comm_s=comm, pid=1000 + rank)]
     for seq, (op, tag, wire) in enumerate((("all_reduce", "grads", 4 * ELEMENTS),
                                            ("all_gather", "weights", ELEMENTS // 2))):
         samples.append(CollectiveSample(
-            job_id=job_id, rank=rank, step=step, seq=seq, op=op, tag=tag, payload_bytes=wire, wire_bytes=wire,
+            job_id=job_id, rank=rank, step=step, attempt=attempt, seq=seq, op=op, tag=tag, payload_bytes=wire,
+            wire_bytes=wire,
             elements=ELEMENTS, duration_s=0.01 + (wait if seq == 0 else 0.0), ts=ts))
     return samples
 
 
 def _post_steps(ctl: LiveController, job_id: str, steps: range, t0: float, dt: float,
-                nodes: dict[str, tuple[int, ...]] = NODES) -> None:
-    """Each node's agent posts its ranks' ``steps``, the first ending at ``t0 + dt``, then every ``dt``."""
+                nodes: dict[str, tuple[int, ...]] = NODES, attempt: int = 1) -> None:
+    """Each node's agent posts its ranks' ``steps`` (of run ``attempt``), the first ending at ``t0 + dt``,
+    then every ``dt``."""
     for node, ranks in nodes.items():
         samples = [s for i, step in enumerate(steps) for r in ranks
-                   for s in _step_samples(job_id, r, step, t0 + dt * (i + 1))]
+                   for s in _step_samples(job_id, r, step, t0 + dt * (i + 1), attempt)]
         procs = [RankProcess(job_id=job_id, rank=r, pid=1000 + r) for r in ranks]
         ctl.heartbeat(node, procs, samples)
 
@@ -143,7 +146,8 @@ def seed_diagnosis(ctl: LiveController, name: str = "diagnose-me") -> Diagnosis:
     ctl.post_batch("node-a", [_checkpoint(job_id, CORRUPT, acted + 0.05, valid=False,
                                           message="sha256 mismatch in model.pt")])
     _sleep_until(acted + 0.6 + DT * len(RERUN))
-    _post_steps(ctl, job_id, RERUN, acted + 0.6, DT, {"node-a": NODES["node-a"], "node-c": NODES["node-b"]})
+    _post_steps(ctl, job_id, RERUN, acted + 0.6, DT, {"node-a": NODES["node-a"], "node-c": NODES["node-b"]},
+                attempt=2)
     aggregate()
     ctl.monitor_pass()  # the job resumed: the incident is RECOVERED
     with ctl.client(Role.ADMIN) as admin:

@@ -12,6 +12,7 @@ Needs: root for py-spy (ptrace) - the hang test says so if it is not. Slow: abou
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -167,11 +168,16 @@ def test_kill_rank_via_api(client: VigilClient) -> None:
     job = client.submit_job(_spec("kill-rank"))
     _reach(client, job.id, 25)
     node, pid = _rank_node(client, job.id, 1)
-    _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 25})
+    # Far enough ahead for the fault file to reach the rank first (monitor pass, agent poll: ~1-2 s).
+    at = (client.get_job(job.id).last_step or 25) + 30
+    _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": at})
     _finish(client, job.id)
     inc = [i for i in _incidents(client, job.id) if i["kind"] == "rank_died"]
     assert inc and inc[0]["rank"] == 1 and inc[0]["node_id"] == node and inc[0]["evidence"]["pid"] == pid
     assert inc[0]["status"] == "RECOVERED"
+    # The rank died at exactly the step asked for (it carries the fault out itself) and said so.
+    assert client.list_faults(job.id).data[0].hit_step == at
+    assert inc[0]["step_at_detect"] is None or inc[0]["step_at_detect"] <= at
     _assert_resumed_from_checkpoint(client, job.id)
 
 
@@ -275,7 +281,8 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
     _inject(client, job.id, {"kind": "corrupt_checkpoint", "step": 0})
     wait_for(lambda: any(b"VIGIL-CORRUPTED!" in f.read_bytes() for f in newest_dir.glob("*.distcp")), 60,
           f"the corruption of {newest_dir.name}")
-    _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 0})
+    # From outside (its agent): a stopped rank cannot carry out a fault itself.
+    _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": 0, "params": {"mode": "agent"}})
     _finish(client, job.id)
     # Found out on restore (the replay then writes that step's folder again, valid: the event stays).
     found = [e.data["step"] for e in client.list_events(job_id=job.id, limit=1000).data
@@ -331,3 +338,35 @@ def _ray_alive(cluster: LocalCluster) -> list:
     from ray.util.state import list_nodes
 
     return [n for n in list_nodes(address=cluster.dashboard_url, raise_on_missing_output=False) if n.state == "ALIVE"]
+
+
+def test_live_a_hung_rank_is_replaced_and_healed_while_its_peer_trains_on(client: VigilClient) -> None:
+    """``recovery.policy: live``: rank 1 hangs; rank 0 leaves it out of its quorum and trains on; the
+    controller finds rank 1 silent on its own, kills it alone (no eviction), Ray starts it again and it
+    heals from rank 0; the incident is RECOVERED when it steps again, and the job SUCCEEDS."""
+    if os.geteuid() != 0:
+        pytest.skip("py-spy needs ptrace rights (root) to read another process's stacks")
+    spec = _spec("live-hang", policy="live", steps=400).model_copy(deep=True)
+    spec.scaling.min_workers = 1  # a quorum of one: rank 0 trains on alone while rank 1 is replaced
+    job = client.submit_job(JobCreate.model_validate(spec.model_dump()))
+    _reach(client, job.id, 20)
+    node, pid = _rank_node(client, job.id, 1)
+    _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 0})
+    hang = wait_for(lambda: next((i for i in _incidents(client, job.id) if i["kind"] == "hang"
+                                  and i["status"] in ("ACTING", "RECOVERED")), None), 180, "the hung rank to be killed")
+    assert (hang["rank"], hang["node_id"]) == (1, node) and hang["action"].startswith("live: killed hung rank(s) [1]")
+    _finish(client, job.id)
+    inc = next(i for i in _incidents(client, job.id) if i["id"] == hang["id"])
+    assert inc["status"] == "RECOVERED"
+    assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "ALIVE"  # nothing evicted
+    series = {s.rank: s for s in client.job_metrics(job.id, max_points=100_000).ranks}
+    # Rank 0 never stopped: every step once, in order (none run twice), the longest pause the hung peer's
+    # collective timeout plus the quorum's join timeout.
+    rows = sorted(zip(series[0].ts, series[0].step, strict=True))
+    assert [st for _, st in rows] == list(range(1, 401))
+    assert max(b[0] - a[0] for a, b in itertools.pairwise(rows)) < 25
+    # Rank 1 came back in a new process at a later step and ran to the end.
+    rank1 = sorted(zip(series[1].ts, series[1].step, strict=True))
+    gap = max(range(1, len(rank1)), key=lambda i: rank1[i][0] - rank1[i - 1][0])
+    assert rank1[gap][1] > rank1[gap - 1][1] + 1 and rank1[-1][1] == 400
+    assert pid not in {r.pid for n in client.list_nodes().data for r in n.ranks if r.job_id == job.id and r.alive}

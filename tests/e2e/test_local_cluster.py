@@ -106,10 +106,12 @@ PAPER_METHODS = [
 
 
 def test_paper_optimizers_run_as_submitted_jobs(tmp_path: Path) -> None:
-    cluster = start_local_cluster(tmp_path / "home", nodes=2, cpus_per_node=1, port=free_port())
+    # Room for all four 2-rank jobs at once (logical CPUs: the ranks take turns on the real ones).
+    cluster = start_local_cluster(tmp_path / "home", nodes=2, cpus_per_node=4, port=free_port())
     try:
         client = VigilClient(cluster.controller_url, token=cluster.admin_token)
-        for kind, params, tags in PAPER_METHODS:
+        jobs = {}
+        for kind, params, _ in PAPER_METHODS:
             spec = JobCreate.model_validate({
                 "name": f"e2e-{kind}",
                 "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
@@ -119,11 +121,13 @@ def test_paper_optimizers_run_as_submitted_jobs(tmp_path: Path) -> None:
                 "steps": 24, "batch_size": 8,
                 "lr_schedule": {"kind": "constant", "warmup_steps": 0},
             })
-            job = client.submit_job(spec)
-            status = _wait_terminal(client, job.id, timeout=300)
-            assert status == JobStatus.SUCCEEDED, f"{kind}: {client.get_job(job.id).message}\n" \
-                f"{client.job_logs(job.id).logs[-3000:]}"
-            metrics = client.job_metrics(job.id)
+            jobs[kind] = client.submit_job(spec).id
+        for kind, _, tags in PAPER_METHODS:
+            job_id = jobs[kind]
+            status = _wait_terminal(client, job_id, timeout=300)
+            assert status == JobStatus.SUCCEEDED, f"{kind}: {client.get_job(job_id).message}\n" \
+                f"{client.job_logs(job_id).logs[-3000:]}"
+            metrics = client.job_metrics(job_id)
             assert [s.rank for s in metrics.ranks] == [0, 1], kind
             # finite losses (None: NaN or inf) at every training step; step 0 carries the start-up collectives
             assert all(x is not None for s in metrics.ranks for st, x in zip(s.step, s.loss, strict=True) if st > 0), \
@@ -132,7 +136,7 @@ def test_paper_optimizers_run_as_submitted_jobs(tmp_path: Path) -> None:
             deadline = time.monotonic() + 30  # the last samples' aggregates settle after the job
             seen: set[str] = set()
             while not tags <= seen and time.monotonic() < deadline:
-                seen = {c.tag for c in client.job_collectives(job.id).data}
+                seen = {c.tag for c in client.job_collectives(job_id).data}
                 time.sleep(1)
             assert tags <= seen, f"{kind}: collectives {sorted(seen)}, expected {sorted(tags)}"
         client.close()

@@ -130,8 +130,18 @@ def timed_all_reduce(rank: int, world: int, nbytes: int, repeats: int) -> dict[s
         comm.all_reduce(x.clone(), tag="grads")
         times.append(time.perf_counter() - t0)
     records = comm.drain()
-    tx1, rx1 = nic_bytes()
     dist.barrier()
+    # A shaped link's qdisc may still hold this rank's last segments when its all-reduce returns
+    # (it returns once it has received, not once its own sends left the NIC): read the counters
+    # once they have settled. The barrier's few hundred bytes are inside the tests' overhead bound.
+    tx1, rx1 = nic_bytes()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = nic_bytes()
+        if now == (tx1, rx1):
+            break
+        tx1, rx1 = now
     return {"pid": os.getpid(), "times": times, "wire_bytes": sum(r.wire_bytes for r in records),
             "payload_bytes": sum(r.payload_bytes for r in records), "tx": tx1 - tx0, "rx": rx1 - rx0}
 

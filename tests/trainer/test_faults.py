@@ -11,16 +11,23 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.schemas import CheckpointSample, JobCreate, StepSample
+import psutil
+
+from controller.probe import wait_for
+from controller.schemas import CheckpointSample, FaultSample, JobCreate, StepSample
 from controller.settings import FAULT_FIRED_SUFFIX, fault_file_path
 from examples.gpt_pydoc.gpt_train import train
 from trainer import checkpoint
 from trainer.comm import CollectiveRecord
-from trainer.faults import NAN_LOSS, SLOW_RANK, FaultHook
+from trainer.faults import HANG_RANK, KILL_RANK, NAN_LOSS, SLOW_RANK, FaultHook
 from trainer.sdk import RankContext
 
 
@@ -81,6 +88,10 @@ class Sink:
     def __init__(self) -> None:
         self.steps: list[StepSample] = []
         self.checkpoints: list[CheckpointSample] = []
+        self.faults: list[FaultSample] = []
+
+    def send_fault(self, sample: FaultSample) -> None:
+        self.faults.append(sample)
 
     def send_step(self, sample: StepSample, records: Sequence[CollectiveRecord] = ()) -> None:
         self.steps.append(sample)
@@ -117,6 +128,9 @@ def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refi
 
     first = train(SPEC, ctx(sink))
     assert first.faults == [5]
+    # The rank told the controller the step the fault hit, and tagged every sample with its run attempt.
+    assert [(f.step, f.fault_id, f.fault_kind) for f in sink.faults] == [(5, 1, NAN_LOSS)]
+    assert {s.attempt for s in sink.steps} == {1}
     assert all(first.losses[s] is not None for s in range(1, 5))
     # The consequence is real: NaN gradients, NaN weights, every later loss NaN (None on the wire).
     assert [first.losses[s] for s in range(5, 9)] == [None, None, None, None]
@@ -129,8 +143,10 @@ def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refi
     assert not fault.exists() and fault.with_name(fault.name + FAULT_FIRED_SUFFIX).exists()
 
     # Rollback: a restart restores step 4, the last good state, and the fault stays fired.
-    again = train(SPEC, ctx(Sink()))
+    second = Sink()
+    again = train(SPEC, ctx(second))
     assert again.start_step == 5 and again.faults == []
+    assert {s.attempt for s in second.steps} == {2}  # the restart is the next attempt: its steps 5+ are new samples
     assert all(v is not None and math.isfinite(v) for v in again.losses.values())
     assert again.checkpoints == [6, 8] and again.skipped_checkpoints == []
     assert abs(again.losses[5] - first.losses[4]) < 0.5  # continues from the checkpoint's loss level
@@ -163,3 +179,73 @@ def test_slow_rank_fault_makes_the_compute_phase_factor_times_longer_until_reset
     # 3x, or more on a busy host: a rank woken from its wait may queue for a core (seen: 3.3 to 6.6)
     assert 2.5 < during / before < 10
     assert after / before < 1.6
+
+
+# A rank loop with no model (a fault acts before the step's work): it prints each step it completes.
+_PROCESS_FAULT_LOOP = """
+import sys
+from pathlib import Path
+from trainer import sdk
+from trainer.telemetry import RankTelemetry
+
+sock, fault, root = sys.argv[1:4]
+with RankTelemetry(sock) as telemetry:
+    ctx = sdk.RankContext(rank=0, world_size=1, job_id="job-proc", telemetry=telemetry,
+                          checkpoint_root=Path(root), fault_file=Path(fault), async_checkpoints=False)
+    session = sdk.init(ctx)
+    for n in range(1, 9):
+        with sdk.step(n) as s:
+            s.report(loss=1.0)
+        print(n, flush=True)
+    sdk.close()
+"""
+
+
+def _run_rank_with_fault(tmp_path: Path, kind: str) -> tuple[subprocess.Popen[str], socket.socket, Path]:
+    sock_path = tmp_path / "agent.sock"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(sock_path))
+    fault = fault_file_path(tmp_path / "run", "job-proc", 0)
+    _write(fault, {"kind": kind, "step": 4, "fault_id": 11})
+    proc = subprocess.Popen([sys.executable, "-c", _PROCESS_FAULT_LOOP, str(sock_path), str(fault), str(tmp_path / "ckpt")],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, receiver, fault
+
+
+def _received(receiver: socket.socket) -> list[dict[str, Any]]:
+    receiver.setblocking(False)
+    out: list[dict[str, Any]] = []
+    while True:
+        try:
+            out.extend(json.loads(receiver.recv(1 << 20)))
+        except BlockingIOError:
+            return out
+
+
+def test_kill_rank_in_the_rank_dies_at_exactly_its_step_and_says_so(tmp_path: Path) -> None:
+    proc, receiver, fault = _run_rank_with_fault(tmp_path, KILL_RANK)
+    with receiver:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL
+        assert out.split() == ["1", "2", "3"]  # step 4 never ran
+        got = _received(receiver)
+    assert [(s["step"], s["fault_id"], s["fault_kind"]) for s in got if s["kind"] == "fault"] == [(4, 11, KILL_RANK)]
+    assert [s["step"] for s in got if s["kind"] == "step"] == [1, 2, 3]
+    assert not fault.exists() and fault.with_name(fault.name + FAULT_FIRED_SUFFIX).exists()  # never again
+
+
+def test_hang_rank_in_the_rank_stops_at_exactly_its_step_until_continued(tmp_path: Path) -> None:
+    proc, receiver, _ = _run_rank_with_fault(tmp_path, HANG_RANK)
+    with receiver:
+        try:
+            p = psutil.Process(proc.pid)
+            wait_for(lambda: p.status() == psutil.STATUS_STOPPED, 120, "the rank to stop itself", 0.05)
+            hung = _received(receiver)
+            assert [s["step"] for s in hung if s["kind"] == "step"] == [1, 2, 3]
+            assert [(s["step"], s["fault_kind"]) for s in hung if s["kind"] == "fault"] == [(4, HANG_RANK)]
+            os.kill(proc.pid, signal.SIGCONT)  # what the controller's clear (cont_pid) does
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0 and out.split() == [str(n) for n in range(1, 9)]
+        assert [s["step"] for s in _received(receiver) if s["kind"] == "step"] == [4, 5, 6, 7, 8]

@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from controller.checkpoint_layout import list_step_dirs, step_dir
+from controller.checkpoint_layout import attempts_dir, list_step_dirs, step_dir
 from controller.schemas import CheckpointSample
 from trainer.checkpoint.format import Manifest, choose, prune, remove_dir, write_manifest
 from trainer.checkpoint.reshard import restore  # also silences DCP's single-process warning
@@ -113,6 +113,28 @@ class Checkpointer:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._ctl)
         return box[0]
+
+    def claim_attempt(self) -> int:
+        """This start's run attempt: 1 + the highest claimed before it under :func:`attempts_dir` (rank 0
+        makes its folder, atomically: two starts never get one number), the same on every rank.
+
+        Telemetry tags every sample with it, so a step re-run after a restart is a new sample (the
+        newest attempt wins), and a replay of an old one is recognised as the same sample. A
+        temporary root (no job storage) claims there too: numbers start at 1 for each session.
+        """
+        number = 0
+        if self.rank == 0:
+            folder = attempts_dir(self.root)
+            folder.mkdir(parents=True, exist_ok=True)
+            claimed = [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
+            number = max(claimed, default=0) + 1
+            while True:
+                try:
+                    (folder / str(number)).mkdir()
+                    break
+                except FileExistsError:  # another start claimed it in between: the next one
+                    number += 1
+        return int(self._broadcast_object(number))
 
     @property
     def control_group(self) -> Any:

@@ -81,6 +81,9 @@ class RankContext:
     """This rank's one-shot fault file (:func:`controller.settings.fault_file_path`); None: no fault injection."""
     cache_dir: Path | None = None
     """Data cache directory for code that wants one (the GPT example's corpus); None: its default."""
+    live: Any = None
+    """Live recovery (:class:`trainer.live.LiveReplica`): this rank is a torchft replica; None: the
+    usual process group under Ray Train."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from controller.schemas import JobCreate, OptimizerSpec, StepSample
+from controller.schemas import FaultSample, JobCreate, OptimizerSpec, StepSample
 from trainer import checkpoint as ckpt_mod
 from trainer.comm import Comm
-from trainer.faults import FaultHook
+from trainer.faults import Fault, FaultHook
 from trainer.optim import build_strategy
 from trainer.rank.context import PreemptionSchedule, RankContext, TrainSummary
 from trainer.rank.step import Optimizer, Step
@@ -38,8 +38,10 @@ class Session:
         """The job spec (steps, optimizer, checkpoint interval, ...; the GPT example's model and data)."""
         self.config: dict[str, Any] = dict(config if config is not None else self.spec.config)
         """The job's ``config``: free JSON for the user's code."""
-        self.comm = Comm.from_process_group()
-        if (self.comm.rank, self.comm.world_size) != (ctx.rank, ctx.world_size):
+        self.live = ctx.live
+        """Live recovery's replica (:mod:`trainer.live`), or None."""
+        self.comm = self.live.comm if self.live is not None else Comm.from_process_group()
+        if self.live is None and (self.comm.rank, self.comm.world_size) != (ctx.rank, ctx.world_size):
             raise RuntimeError(f"process group is rank {self.comm.rank} of {self.comm.world_size}, "
                                f"context says {ctx.rank} of {ctx.world_size}")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -47,11 +49,17 @@ class Session:
         """Where this rank's tensors go (its GPU when it has one)."""
         self.faults = FaultHook(ctx.fault_file)
         self.summary = TrainSummary()
+        # A live replica checkpoints as a world of one (every replica's state is the same; the
+        # quorum's first replica writes): there is no process group across replicas to coordinate.
+        solo = self.live is not None
         self.checkpointer = ckpt_mod.Checkpointer(
-            ctx.checkpoint_root, rank=ctx.rank, world_size=ctx.world_size, job_id=ctx.job_id,
+            ctx.checkpoint_root, rank=0 if solo else ctx.rank, world_size=1 if solo else ctx.world_size,
+            job_id=ctx.job_id,
             keep_last=self.spec.checkpoint.keep_last, sink=ctx.telemetry, async_save=ctx.async_checkpoints,
         )
-        self.preemption = PreemptionSchedule(ctx.preemption_check_s, 1, ctx.world_size > 1,
+        self.attempt = self.live.attempt if self.live is not None else self.checkpointer.claim_attempt()
+        """This start's run attempt (increases at every restart of the ranks); tags every sample."""
+        self.preemption = PreemptionSchedule(ctx.preemption_check_s, 1, ctx.world_size > 1 and not solo,
                                              self.checkpointer.control_group)
         self._preempt_handled = False
         self._step: Step | None = None
@@ -125,6 +133,15 @@ class Session:
         return tree_map(lambda t: t * float("nan") if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                         output)
 
+    def _fault_hit(self, fault: Fault) -> None:
+        """Tell the controller the step an injected fault hits (its record's ``hit_step``), before acting."""
+        send = getattr(self.ctx.telemetry, "send_fault", None)  # optional in a sink (TelemetrySink)
+        if fault.fault_id is None or send is None:
+            return
+        send(FaultSample(
+            job_id=self.job_id, rank=self.rank, step=fault.step, attempt=self.attempt, ts=time.time(),
+            fault_id=fault.fault_id, fault_kind=fault.kind))
+
     # -- steps -------------------------------------------------------------------------------------
 
     def step(self, number: int) -> Step:
@@ -139,7 +156,8 @@ class Session:
     def _finish_step(self, s: Step) -> None:
         now = time.perf_counter()
         records = self.comm.drain()  # the first step's also holds the start-up ones (step 0: initial broadcasts)
-        comm_s = sum(r.duration_s for r in records if r.step == s.number)
+        # (a live replica's heal is recorded under its first step but ran before it: not this step's time)
+        comm_s = sum(r.duration_s for r in records if r.step == s.number and r.op != "heal")
         step_time = now - s._t0
         data_s = s._phases.get("data")
         optim_total = s._phases.get("optimizer")
@@ -154,7 +172,8 @@ class Session:
         val_value = finite_or_none(val) if isinstance(val, int | float) else None
         self.ctx.telemetry.send_step(
             StepSample(
-                job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=s.number, ts=time.time(),
+                job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=s.number,
+                attempt=self.attempt, ts=time.time(),
                 loss=loss_value, lr=finite_or_none(s.metrics.get("lr")), tokens=min(s.tokens, 2**31 - 1),
                 step_time_s=step_time, tokens_per_s=s.tokens / step_time if step_time > 0 else 0.0,
                 data_s=data_s, fwd_bwd_s=fwd_bwd,
@@ -184,7 +203,12 @@ class Session:
         """See :func:`restore`."""
         if self._step is not None:
             raise RuntimeError("restore() inside a step: call it before the first step")
-        step = self.checkpointer.restore(state, hint=self.ctx.restore_dir)
+        if self.live is not None:
+            self.live.register(state)
+            step = self.live.restore(lambda: self.checkpointer.restore(state, hint=self.ctx.restore_dir))
+            self.attempt = self.live.attempt  # a peer's (healed) or a new one (restarted from disk)
+        else:
+            step = self.checkpointer.restore(state, hint=self.ctx.restore_dir)
         self.preemption.next_step = step + 1
         self.summary.start_step = step + 1
         return step if step > 0 else None
@@ -204,6 +228,8 @@ class Session:
                 preempt = True
             self._preempt_handled = pending
         save = force or (interval > 0 and (step % interval == 0 or last)) or preempt
+        if self.live is not None and not self.live.is_primary():
+            save = False  # the quorum's first replica writes the job's checkpoints
         started = False
         if save:
             loss = self._last.get("loss_raw") if self._last.get("step") == step else None
@@ -252,6 +278,8 @@ class Session:
                 self._report(final, final=True)
         finally:
             self.checkpointer.close()
+            if self.live is not None:
+                self.live.close()
 
     def abort(self) -> None:
         """After a failure on this rank: no collectives, no waiting."""
@@ -259,3 +287,5 @@ class Session:
         for h in self._hooks:
             h.remove()
         self.checkpointer.abort()
+        if self.live is not None:
+            self.live.close()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from controller.schemas import OptimizerSpec
-from trainer.faults import NAN_LOSS, SLOW_RANK
+from trainer.faults import NAN_LOSS, PROCESS_KINDS, SLOW_RANK, carry_out
 from trainer.optim import Strategy
 from trainer.optim.base import StateLayout
 from trainer.rank.context import PHASES
@@ -159,11 +159,16 @@ class Step:
             raise RuntimeError(f"step {self.number} opened while step {s._step.number} is still open")
         s._step = self
         s.comm.set_step(self.number)
+        if s.live is not None:
+            s.live.start_step(self.number)  # the quorum of this step (a replica that left is out, a new one heals)
         fault = s.faults.check(self.number)
         if fault is not None:
             s.summary.faults.append(self.number)
             self.fault = fault.kind
-            if fault.kind == NAN_LOSS:
+            s._fault_hit(fault)
+            if fault.kind in PROCESS_KINDS:
+                carry_out(fault)  # kill_rank never returns; hang_rank returns when continued
+            elif fault.kind == NAN_LOSS:
                 s._nan_step = self.number
             elif fault.kind == SLOW_RANK:
                 s._slow = fault.factor
@@ -175,4 +180,6 @@ class Step:
         s._step = None
         if exc_type is not None:
             return
+        if s.live is not None:
+            s.live.end_step()
         s._finish_step(self)
