@@ -55,6 +55,11 @@ COLLECTIVE_TIMEOUT_S = 10.0
 """A collective (and a heal's transfer) taking longer fails: bounds how long survivors wait for a hung peer."""
 QUORUM_TIMEOUT_S = 120.0
 """How long a replica waits for a quorum of ``min_replicas`` (a lone survivor waits for company)."""
+REPLACEMENT_WAIT_S = 60.0
+"""How long a replacement (a replica Ray started again) keeps asking for a quorum with a live peer to heal
+from before it takes the disk checkpoint instead (every peer gone too: a whole-job failure)."""
+RETRY_PAUSE_S = 0.5
+"""Pause between a replacement's quorum requests while it waits for a peer."""
 RETRIES = 4
 """Times a failed collective is run again in a new quorum before the step fails (and the replica restarts)."""
 KEY_LIVE = "vigil_live"
@@ -70,13 +75,23 @@ def quiet_torchft_logs() -> None:
     os.environ.setdefault("RUST_LOG", "warn")
 
 
-def start_lighthouse(min_replicas: int, bind: str = "[::]:0") -> Any:
+def start_lighthouse(min_replicas: int, bind: str = "[::]:0", join_timeout_ms: int = JOIN_TIMEOUT_MS) -> Any:
     """torchft's lighthouse (a Rust server in this process): ``.address()`` is what replicas join."""
     quiet_torchft_logs()
     from torchft._torchft import LighthouseServer
 
-    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                             quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+
+
+def mark_failed(manager: Any) -> None:
+    """Make the next quorum a new one even if its members are the same (torchft 0.2.0 keeps the quorum
+    id, and with it each replica's process group, while the members do not change; the lighthouse
+    starts a new one when a member reports a failed commit). A collective that timed out (a peer alive
+    but not in it: its heal failed, it was paused) leaves the process group broken: it must be rebuilt,
+    or every retry fails on it. torchft counts this in ``should_commit``, which runs once per step;
+    Vigil's retries run inside a step, so they count it themselves."""
+    manager._commit_failures += 1
 
 
 class LiveComm(Comm):
@@ -132,6 +147,7 @@ class LiveComm(Comm):
             self.reforms += 1
             tensor.copy_(keep)
             t = time.perf_counter()
+            mark_failed(self.manager)
             self.manager.start_quorum()  # without the replica that failed: the survivors ask again
             self.record_external("quorum", tag="reform", payload_bytes=0, wire_bytes=0, elements=0,
                                  duration_s=time.perf_counter() - t)
@@ -167,13 +183,18 @@ class LiveReplica:
     """
 
     def __init__(self, *, rank: int, world_size: int, min_replicas: int, lighthouse: str, host: str,
-                 attempt: int = 1, checkpoint_root: Path | None = None, replica_id: str | None = None) -> None:
+                 attempt: int = 1, checkpoint_root: Path | None = None, replica_id: str | None = None,
+                 replacement: bool = False, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         quiet_torchft_logs()
         from torch.distributed import TCPStore
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
         self.rank = rank
+        self.world_size = world_size
+        self.replacement = replacement
+        """Ray started this replica again (its process died): it heals from a live peer, it does not take
+        the disk checkpoint while one may be training (see :meth:`restore`)."""
         self.base_attempt = attempt
         self.attempt = attempt
         """The run attempt this replica's samples carry: the same on every replica (the driver claims it;
@@ -185,9 +206,9 @@ class LiveReplica:
         self.heals: list[dict[str, float]] = []
         """Heals of this replica: ``{"step", "seconds"}`` (received from a live peer)."""
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=collective_timeout_s)),
             load_state_dict=self._load, state_dict=self._save, min_replica_size=min_replicas,
-            use_async_quorum=False, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            use_async_quorum=False, timeout=timedelta(seconds=collective_timeout_s),
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
             rank=0, world_size=1, store_addr=host, store_port=self._store.port, lighthouse_addr=lighthouse,
             replica_id=replica_id or f"rank_{rank}", hostname=host, init_sync=True,
@@ -218,20 +239,50 @@ class LiveReplica:
 
     def restore(self, disk_restore: Callable[[], int]) -> int:
         """First quorum: heal from a live peer when the job is under way (the step it is at), else
-        (every replica at step 0: a new job, or a whole-job restart) the newest disk checkpoint."""
+        (every replica at step 0: a new job, or a whole-job restart) the newest disk checkpoint.
+
+        A replacement whose first quorum holds neither a peer to heal from nor every replica (its peers
+        were busy past the lighthouse's join timeout: a long step, a busy machine) asks again, for up to
+        :data:`REPLACEMENT_WAIT_S`: restoring the disk checkpoint there would run old steps again beside
+        peers that are far ahead. A heal that failed (the peer died in it) is asked again too."""
         t = time.perf_counter()
-        self._healed = None
-        self.manager.start_quorum()
-        self._quorum_ready = True
-        step = int(self.manager.current_step())
-        if self._healed is not None and step > 0:
-            seconds = time.perf_counter() - t
-            self.heals.append({"step": float(step), "seconds": seconds})
-            self.comm.set_step(step + 1)  # the heal shows in the collectives of the first step it runs
-            self.comm.record_external("heal", tag="live", payload_bytes=_state_bytes(self._save()), wire_bytes=0,
-                                      elements=0, duration_s=seconds)
-            log.info("rank %d healed from a live peer at step %d in %.2f s", self.rank, step, seconds)
-            return step
+        deadline = time.monotonic() + (REPLACEMENT_WAIT_S if self.replacement else 0.0)
+        tries = 0
+        while True:
+            tries += 1
+            self._healed = None
+            self.manager.start_quorum()
+            self._quorum_ready = True
+            step = int(self.manager.current_step())
+            err = self.manager.errored()
+            if err is None and self._healed is not None and step > 0:
+                seconds = time.perf_counter() - t
+                self.heals.append({"step": float(step), "seconds": seconds})
+                self.comm.set_step(step + 1)  # the heal shows in the collectives of the first step it runs
+                self.comm.record_external("heal", tag="live", payload_bytes=_state_bytes(self._save()),
+                                          wire_bytes=0, elements=0, duration_s=seconds)
+                log.info("rank %d healed from a live peer at step %d in %.2f s (%d quorum(s))", self.rank, step,
+                         seconds, tries)
+                return step
+            everyone = int(self.manager.num_participants()) >= self.world_size
+            if time.monotonic() >= deadline:
+                if err is not None:
+                    raise LiveError(f"live recovery: rank {self.rank} could not heal ({err.original_exception}); "
+                                    "it restarts and heals again")
+                if everyone or not self.replacement:
+                    break
+                log.warning("rank %d: no live peer to heal from within %.0f s; restoring the disk checkpoint",
+                            self.rank, REPLACEMENT_WAIT_S)
+                break
+            if err is None and everyone:
+                break
+            if err is not None:
+                mark_failed(self.manager)
+            if tries == 1:
+                log.info("rank %d: first quorum had %d of %d replicas and no peer to heal from (%s); asking again",
+                         self.rank, self.manager.num_participants(), self.world_size,
+                         "heal failed" if err is not None else "peers busy")
+            time.sleep(RETRY_PAUSE_S)
         step = disk_restore()
         if step > 0:
             # Every replica restarts from disk (a whole-job failure, a rollback): the steps after the

@@ -72,7 +72,8 @@ class ReplicaActor:
         host = ray.util.get_node_ip_address()
         live = LiveReplica(rank=self.rank, world_size=self.world_size, min_replicas=self.min_replicas,
                            lighthouse=self.lighthouse, host=host, attempt=int(self.config["attempt"]),
-                           checkpoint_root=Path(self.config["checkpoint_root"]))
+                           checkpoint_root=Path(self.config["checkpoint_root"]),
+                           replacement=ray.get_runtime_context().was_current_actor_reconstructed)
         try:
             summary = run_rank(self.config, self.rank, self.world_size, live=live)
         except LiveError as e:

@@ -33,6 +33,7 @@ class FakeManager:
         self.peers = list(peers)
         self.failures = failures
         self.quorums = 0
+        self._commit_failures = 0  # torchft's: a new quorum id (process groups rebuilt) when > 0
         self._errored: _Err | None = None
 
     def num_participants(self) -> int:
@@ -64,6 +65,7 @@ def test_a_failed_all_reduce_runs_again_from_the_own_input_in_the_survivors_quor
     comm.all_reduce(t, tag="grads")
     assert torch.equal(t, torch.full((4,), 11.0))  # 1 + 10: the dead peer's 20 is not in it, nor the NaN
     assert comm.world_size == 2 and comm.reforms == 1 and m.quorums == 1
+    assert m._commit_failures == 1  # the retry's quorum rebuilds the process group the failure broke
     recs = comm.drain()
     assert [(r.step, r.seq, r.op, r.tag) for r in recs] == [(7, 0, "quorum", "reform"), (7, 1, "all_reduce", "grads")]
     assert recs[1].payload_bytes == 16 and recs[1].wire_bytes == 16  # 2 (n-1)/n x 16 bytes with n = 2
