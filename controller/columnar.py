@@ -36,7 +36,7 @@ from controller.schemas import (
     TelemetryBatch,
 )
 from controller.schemas.columnar import COLUMNAR_KINDS, ColumnarBatch, ColumnBlock, ColumnSpec, column_specs
-from controller.telemetry import COLLECTIVE_COLUMNS, STEP_COLUMNS, Prepared, store
+from controller.telemetry import COLLECTIVE_COLUMNS, LIVE_OPS, STEP_COLUMNS, Prepared, store
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +240,17 @@ def _touched(batch: DecodedBatch) -> set[tuple[str, int]]:
     return set(zip(batch.strings[u >> 32].tolist(), (u & 0xFFFFFFFF).tolist(), strict=True))
 
 
+def _live(cols: Columns, strings: np.ndarray, collectives: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The rows of live recovery's collectives (``LIVE_OPS``): looked up in the batch's string dictionary
+    first, so a batch without any (nearly all) costs no pass over its rows."""
+    if cols.n == 0:
+        return []
+    ids = np.flatnonzero(np.isin(strings, list(LIVE_OPS)))
+    if ids.size == 0:
+        return []
+    return [collectives[i] for i in np.flatnonzero(np.isin(cols.values["op"], ids)).tolist()]
+
+
 def _progress(batch: DecodedBatch) -> list[StepSample]:
     """Per job, the step sample :func:`update_job_progress` would pick (highest step, lowest rank)."""
     c = batch.step
@@ -283,9 +294,11 @@ def ingest_columnar(session: Session, batch: DecodedBatch, now: float | None = N
             others = [s for s in hdr.samples if s.job_id in known]
             orphans += len(hdr.samples) - len(others)
         node = hdr.node_id
+        collectives = rows("collective", kept.collective, COLLECTIVE_COLUMNS, strings, node)
         return Prepared(
             steps=rows("step", kept.step, STEP_COLUMNS, strings, node),
-            collectives=rows("collective", kept.collective, COLLECTIVE_COLUMNS, strings, node),
+            collectives=collectives,
+            live=_live(kept.collective, strings, collectives),
             touched=_touched(kept),
             progress=_progress(kept),
             checkpoints=[s for s in others if s.kind == "checkpoint"],  # type: ignore[misc]

@@ -149,6 +149,9 @@ class Prepared:
     checkpoints: list[CheckpointSample] = field(default_factory=list)
     faults: list[FaultSample] = field(default_factory=list)
     orphans: int = 0
+    live: list[tuple[Any, ...]] = field(default_factory=list)
+    """The collective rows of live recovery (:data:`LIVE_OPS`), which are also job events: rare, and found
+    without a Python pass over every row where the wire format allows (columnar: its string dictionary)."""
 
 
 def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: Callable[[set[str]], Prepared],
@@ -195,8 +198,8 @@ def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: 
         record_checkpoints(session, rows.checkpoints)
     if rows.faults:
         record_fault_hits(session, rows.faults)
-    if rows.collectives:
-        record_live_events(session, rows.collectives, header.node_id)
+    if rows.live:
+        record_live_events(session, rows.live, header.node_id)
     touch_node(session, header)
     if header.heartbeat is not None:
         record_host_sample(session, header.node_id, header.heartbeat.ts, header.heartbeat.host,
@@ -216,9 +219,11 @@ def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
         node = (batch.node_id,)
         # Comprehensions and C-level getters: this runs for every sample ingested.
         step_samples: list[StepSample] = [s for s in samples if s.kind == "step"]  # type: ignore[misc]
+        collectives = [_collective_values(s) + node for s in samples if s.kind == "collective"]
         return Prepared(
             steps=[_step_values(s) + node for s in step_samples],
-            collectives=[_collective_values(s) + node for s in samples if s.kind == "collective"],
+            collectives=collectives,
+            live=[r for r in collectives if r[_OP] in LIVE_OPS],
             touched=set(map(_step_key, (s for s in samples if s.kind in ("step", "collective")))),
             progress=step_samples,
             checkpoints=[s for s in samples if s.kind == "checkpoint"],  # type: ignore[misc]
@@ -275,17 +280,12 @@ def touch_node(session: Session, batch: TelemetryBatch) -> None:
             node.state = NodeState.ALIVE.value
 
 
-__all__ = ["BodyTooLarge", "CollectiveSample", "Prepared", "decode_body", "ingest", "store"]
-
-
-def record_live_events(session: Session, collectives: Sequence[tuple[Any, ...]], node_id: str) -> None:
-    """An event for each live-recovery record among a batch's collective rows (:data:`LIVE_OPS`), so a heal
-    and a quorum change show on the job's events with their durations."""
+def record_live_events(session: Session, live: Sequence[tuple[Any, ...]], node_id: str) -> None:
+    """An event for each live-recovery collective row (:data:`LIVE_OPS`: ``Prepared.live``), so a heal and
+    a quorum change show on the job's events with their durations."""
     col = dict(zip(COLLECTIVE_COLUMNS, range(len(COLLECTIVE_COLUMNS)), strict=True))
-    for r in collectives:
+    for r in live:
         op = r[_OP]
-        if op not in LIVE_OPS:
-            continue
         rank, step, seconds = r[col["rank"]], r[col["step"]], float(r[col["duration_s"]])
         if op == "heal":
             message = (f"rank {rank} healed from a live peer in {seconds:.2f} s "
@@ -295,3 +295,6 @@ def record_live_events(session: Session, collectives: Sequence[tuple[Any, ...]],
                        f"in {seconds:.2f} s, the step run again")
         record_event(session, f"live_{op}", message, job_id=r[col["job_id"]], node_id=node_id,
                      data={"rank": rank, "step": step, "seconds": round(seconds, 3), "attempt": r[col["attempt"]]})
+
+
+__all__ = ["BodyTooLarge", "CollectiveSample", "Prepared", "decode_body", "ingest", "store"]

@@ -149,16 +149,21 @@ def test_a_ranks_fault_report_sets_the_faults_hit_step_once(client: TestClient) 
     assert client.get(f"{API}/jobs/{job}/faults").json()["data"][0]["hit_step"] == 40
 
 
-def test_a_live_heal_and_a_quorum_change_are_events_of_the_job(client: TestClient) -> None:
+@pytest.mark.parametrize("wire", ["json", "columnar"])
+def test_a_live_heal_and_a_quorum_change_are_events_of_the_job(client: TestClient, wire: str) -> None:
+    from tests.controller.test_columnar import columnar
+
     job = _job(client)
     now = time.time()
     heal = {**coll_sample(job, 1, 41, 0, 0.75, now), "op": "heal", "tag": "live", "payload_bytes": 2_000_000,
             "wire_bytes": 0, "elements": 0}
     reform = {**coll_sample(job, 0, 40, 0, 2.1, now), "op": "quorum", "tag": "reform", "payload_bytes": 0,
               "wire_bytes": 0, "elements": 0}
-    _post(client, [step_sample(job, 0, 40, 0.1, now), reform, heal], 0)
+    plain = [coll_sample(job, r, 40, 1, 0.01, now) for r in range(2)]  # ordinary collectives: no event
+    (_post if wire == "json" else columnar)(client, [step_sample(job, 0, 40, 0.1, now), *plain, reform, heal], 0)
     events = client.get(f"{API}/events", params={"job_id": job}).json()["data"]
     live = sorted((e["kind"], e["data"]["rank"], e["data"]["step"]) for e in events if e["kind"].startswith("live_"))
     assert live == [("live_heal", 1, 41), ("live_quorum", 0, 40)]
+    assert len([e for e in events if e["kind"].startswith("live_")]) == 2
     text = next(e["message"] for e in events if e["kind"] == "live_heal")
     assert "healed from a live peer in 0.75 s (2.0 MB of state)" in text
