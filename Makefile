@@ -17,11 +17,11 @@ run: $(STAMP)
 	$(VENV)/bin/vigil up
 
 ## make test: the whole suite (unit, integration with real Ray / PostgreSQL / Chromium, end-to-end).
-## The tests not marked slow run on two pytest-xdist workers; the slow ones (real Ray clusters whose
-## detectors judge timings) run one at a time after them, so no other test's load skews what they measure.
+## Most tests run on two pytest-xdist workers; those marked slow (real Ray clusters whose detectors judge
+## timings) or timing (durations compared) run one at a time after them, so no other test's load skews them.
 test: $(STAMP) browser lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" -n 2 --durations=15
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow --durations=25
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow and not timing" -n 2 --durations=15
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "slow or timing" --durations=25
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -167,6 +167,7 @@ def test_stop_then_cont(executor, procs, ranks):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.timing
 def test_throttle_runs_the_process_one_factor_th_of_the_time(executor, procs, ranks):
     p = procs.spawn(BUSY)
     ranks.add(p.pid)

@@ -33,7 +33,8 @@ from controller.settings import Settings
 from tests.auth import bearer, issue_token
 from tests.netns.harness import Samplers, in_namespaces, in_thread, network, skip_reason, training_like
 
-pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(400),
+              pytest.mark.timing]
 
 API = "/api/v1"
 LINK = "200mbit"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from controller.probe import wait_for
 from controller.schemas import CheckpointSample, FaultSample, JobCreate, StepSample
@@ -152,6 +153,7 @@ def test_nan_loss_fault_is_real_is_never_checkpointed_and_rollback_does_not_refi
     assert abs(again.losses[5] - first.losses[4]) < 0.5  # continues from the checkpoint's loss level
 
 
+@pytest.mark.timing
 def test_slow_rank_fault_makes_the_compute_phase_factor_times_longer_until_reset(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
