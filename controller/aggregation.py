@@ -53,9 +53,10 @@ import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import delete, distinct, func, insert, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -78,6 +79,9 @@ RANK_STAT_COLUMNS = (
     "job_id", "step", "rank", "node_id", "ts", "loss", "tokens_per_s", "step_time_s", "data_s", "fwd_bwd_s",
     "optim_s", "comm_s", "comm_wait_s", "collectives", "payload_bytes", "wire_bytes",
 )
+
+
+_rank_stat_values = itemgetter(*RANK_STAT_COLUMNS)
 
 
 def nearest_rank(ordered: Sequence[float], pct: int) -> float:
@@ -341,7 +345,10 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     row per rank and kind. Only a step with duplicate samples (a rank re-ran it after a restart)
     is read row by row, so that the latest sample of each (rank, seq) wins.
     """
-    step_rows = session.execute(
+    # Core results, not ORM ones: 10,000 rows for a 10,000-rank step, and the ORM's row handling was a
+    # tenth of the pass's time. (The session's connection, so inside its transaction.)
+    conn = session.connection()
+    step_rows = conn.execute(
         select(*_STEP_FIELDS).where(StepMetric.job_id == job_id, StepMetric.step == step).order_by(StepMetric.attempt, StepMetric.id)
     ).all()
     steps: dict[int, Sequence[Any]] = {}
@@ -349,17 +356,21 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
         steps[r[0]] = r
     C = CollectiveMetric
     where = (C.job_id == job_id, C.step == step)
-    per_kind_rank = session.execute(
-        select(C.op, C.group, C.tag, C.rank, func.count(), func.count(distinct(C.seq)), func.sum(C.duration_s),
-               func.sum(C.payload_bytes), func.sum(C.wire_bytes), func.sum(C.elements), func.max(C.ts),
-               func.min(C.node_id))
+    # Duplicates (a (rank, seq) stored under two run attempts: the rank re-ran the step after a restart)
+    # take the exact, row-by-row path. The unique key (job, step, rank, attempt, seq) allows them only
+    # across attempts, so a group with one attempt has none: min = max attempt, found in the same scan
+    # (a count of distinct seqs per group cost a sort per group: a third of this query on SQLite).
+    per_kind_rank = conn.execute(
+        select(C.op, C.group, C.tag, C.rank, func.count(), func.min(C.attempt), func.max(C.attempt),
+               func.sum(C.duration_s), func.sum(C.payload_bytes), func.sum(C.wire_bytes), func.sum(C.elements),
+               func.max(C.ts), func.min(C.node_id))
         .where(*where).group_by(C.op, C.group, C.tag, C.rank)
     ).all()
-    if any(r[4] != r[5] for r in per_kind_rank):  # duplicates: the exact, row-by-row path
-        coll_rows = session.execute(select(*_COLL_FIELDS).where(*where).order_by(C.attempt, C.id)).all()
+    if any(r[5] != r[6] for r in per_kind_rank):
+        coll_rows = conn.execute(select(*_COLL_FIELDS).where(*where).order_by(C.attempt, C.id)).all()
         return compute_step(job_id, step, step_rows, coll_rows)
     # The fastest duration of each call (a call: every rank's seq-th call of the step), with its kind.
-    per_call = session.execute(
+    per_call = conn.execute(
         select(C.op, C.group, C.tag, C.seq, func.min(C.duration_s)).where(*where).group_by(C.op, C.group, C.tag, C.seq)
     ).all()
     fastest: dict[int, float] = {}
@@ -374,13 +385,13 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     # and each call is of one kind, that sum is the rank's total minus the kind's transfer: no per-row
     # pass. Otherwise one more GROUP BY, over each row next to its call's fastest duration.
     if len(fastest) == len(per_call) and all(r[4] == calls_of[(r[0], r[1], r[2])] for r in per_kind_rank):
-        waits = {(r[0], r[1], r[2], r[3]): float(r[6]) - transfer[(r[0], r[1], r[2])] for r in per_kind_rank}
+        waits = {(r[0], r[1], r[2], r[3]): float(r[7]) - transfer[(r[0], r[1], r[2])] for r in per_kind_rank}
     else:
         # By a window function: one scan, and no join for the planner to get wrong (on a fresh table
         # without statistics PostgreSQL picked a nested loop that re-aggregated per row).
         rows = select(C.op, C.group, C.tag, C.rank, C.duration_s,
                       func.min(C.duration_s).over(partition_by=C.seq).label("fastest")).where(*where).subquery()
-        waits = {(op, group, tag, rank): float(w) for op, group, tag, rank, w in session.execute(
+        waits = {(op, group, tag, rank): float(w) for op, group, tag, rank, w in conn.execute(
             select(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank, func.sum(rows.c.duration_s - rows.c.fastest))
             .group_by(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank)).all()}
         transfer = {}
@@ -389,7 +400,7 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     spans = attempt_spans((r[0], r[2], r[5]) for r in step_rows)
     kinds: dict[Kind, dict[int, _KindRank]] = {}
     n_calls = 0
-    for op, group, tag, rank, count, _, dur, payload, wire, elements, ts, node in per_kind_rank:
+    for op, group, tag, rank, count, _, _, dur, payload, wire, elements, ts, node in per_kind_rank:
         kinds.setdefault((op, group, tag), {})[rank] = _KindRank(
             dur=float(dur), wait=max(0.0, waits[(op, group, tag, rank)]), calls=int(count), payload=int(payload),
             wire=int(wire), elements=int(elements), ts=float(ts), node=node)
@@ -406,8 +417,7 @@ def write_step(session: Session, job_id: str, step: int, agg: StepAggregates | N
     session.execute(insert(JobStepStat), [agg.job])
     if agg.collectives:
         session.execute(insert(CollectiveStepStat), agg.collectives)
-    bulk_insert(session, "rank_step_stats", RANK_STAT_COLUMNS,
-                [tuple(r[c] for c in RANK_STAT_COLUMNS) for r in agg.ranks])
+    bulk_insert(session, "rank_step_stats", RANK_STAT_COLUMNS, list(map(_rank_stat_values, agg.ranks)))
 
 
 def aggregate_ready(sessions: sessionmaker[Session], now: float, settle_s: float, max_steps: int = 64) -> int:
