@@ -56,6 +56,14 @@ class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON, datetime: UTCDateTime()}
 
 
+RAW_SAMPLES_WITHOUT_FK = True
+"""The raw sample tables (``step_metrics``, ``collective_metrics``) carry no foreign key to ``jobs``
+(migration 0008): the check ran once per inserted row (on PostgreSQL a trigger that key-share locks the
+job's row, from every concurrent ingest) and cost a quarter of the database's ingest rate. Ingest
+stores only samples of jobs that exist (:func:`controller.telemetry.store`), and raw rows are pruned
+after ``raw_retention_s`` whatever their job; jobs are never deleted. The aggregates keep theirs."""
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -86,7 +94,7 @@ class StepMetric(Base):
                       Index("ix_step_metrics_job_step", "job_id", "step"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(String(32))  # no foreign key: RAW_SAMPLES_WITHOUT_FK
     node_id: Mapped[str] = mapped_column(String(128))
     rank: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
@@ -114,7 +122,7 @@ class CollectiveMetric(Base):
     __table_args__ = (Index("uq_collective_metrics_sample", "job_id", "step", "rank", "attempt", "seq", unique=True),)
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(String(32))  # no foreign key: RAW_SAMPLES_WITHOUT_FK
     node_id: Mapped[str] = mapped_column(String(128))
     rank: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
