@@ -68,6 +68,10 @@ SEND_BUFFER_BYTES = 1 << 20
 sender until the agent reads it, so the default ~208 KiB holds only three full datagrams; 1 MiB
 lets a step with many collectives go out in one burst. Still a fixed kernel bound, not a queue."""
 
+DRAIN_S = 5.0
+"""How long closing waits for a busy agent to take the datagrams not yet delivered (the last steps of a
+rank that ends while its agent's queue is full would otherwise go nowhere). No agent: no wait."""
+
 # Errors that mean "no agent right now" or "agent busy": expected, counted, not logged each time.
 _EXPECTED_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
 
@@ -332,8 +336,38 @@ class RankTelemetry:
         self._queue(b"[" + encode(sample.model_dump()) + b"]", 1, 0)  # a datagram is a JSON array
         self.flush()
 
+    def drain(self, timeout_s: float = DRAIN_S) -> int:
+        """Send what is not delivered yet, waiting up to ``timeout_s`` while the agent is there but busy
+        (its queue full); at once if there is no agent. Returns the samples still undelivered."""
+        deadline = time.monotonic() + timeout_s
+        self.flush()
+        while self._unsent and self._sock is not None and time.monotonic() < deadline:
+            try:
+                os.stat(self.socket_path)
+            except OSError:
+                break  # no agent to wait for
+            time.sleep(0.01)
+            if not self.flush() and not self._agent_takes():
+                break  # the socket is there but nobody reads it (a dead agent's file)
+        return sum(entry[1] for entry in list(self._backlog)[len(self._backlog) - self._unsent:])
+
+    def _agent_takes(self) -> bool:
+        """Whether the agent's socket accepts connections at all (False: refused, a stale file)."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            probe.connect(self.socket_path)
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
+
     def close(self) -> None:
+        """Deliver what is left (:meth:`drain`), then close the socket."""
         if self._sock is not None:
+            left = self.drain() if self.enabled else 0
+            if left:
+                log.warning("telemetry: %d sample(s) not delivered to the agent at close", left)
             self._sock.close()
             self._sock = None
 

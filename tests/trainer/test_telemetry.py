@@ -11,6 +11,7 @@ import math
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +52,14 @@ def _recv_all(s: socket.socket) -> list[list[dict]]:
     finally:
         s.settimeout(2.0)
     return out
+
+
+def _read_until(s: socket.socket, last_step: int) -> list[int]:
+    """Step numbers read from ``s`` (blocking, 2 s timeout a datagram) until ``last_step`` arrives."""
+    steps: list[int] = []
+    while not steps or steps[-1] != last_step:
+        steps += _steps([json.loads(s.recv(1 << 17))])
+    return steps
 
 
 def _step(step: int, loss: float | None = 1.0, ts: float | None = None) -> StepSample:
@@ -156,6 +165,38 @@ def test_full_agent_queue_never_blocks_and_the_rest_follows(sock_dir: Path) -> N
         got += _steps(_recv_all(rx))
     assert got == list(range(1, sends + 2)) and tx.dropped_total == 0
     tx.close()
+
+
+def test_close_waits_for_a_busy_agent_to_take_the_last_steps(sock_dir: Path) -> None:
+    path = sock_dir / "busy.sock"
+    rx = _listener(path)  # bound but not reading yet: the last steps wait in the backlog
+    tx = RankTelemetry(path)
+    sends = 200
+    for s in range(1, sends + 1):
+        tx.send_step(_step(s))
+    assert tx.sent_total < sends, "the queue never filled: the test did not exercise EAGAIN"
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: [time.sleep(0.3), got.extend(_read_until(rx, sends))])
+    reader.start()
+    tx.close()  # the rank ends: close drains what the agent had no room for
+    reader.join(5)
+    assert got == list(range(1, sends + 1)) and tx.dropped_total == 0
+
+
+def test_close_does_not_wait_without_an_agent(sock_dir: Path) -> None:
+    path = sock_dir / "gone.sock"
+    tx = RankTelemetry(path)
+    tx.send_step(_step(1))  # ENOENT: kept in the backlog
+    stale = _listener(path)
+    stale.close()  # a dead agent's socket file: ECONNREFUSED
+    t0 = time.perf_counter()
+    assert tx.drain() == 1
+    tx.close()
+    path.unlink()
+    tx2 = RankTelemetry(path)
+    tx2.send_step(_step(1))
+    tx2.close()
+    assert time.perf_counter() - t0 < 1.0
 
 
 def test_a_full_backlog_drops_the_oldest_and_says_so_in_the_next_step(sock_dir: Path) -> None:
