@@ -60,6 +60,7 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from controller.aggregation_process import AggregationProcess
 from controller.background import BackgroundLoop
 from controller.db import session_scope, sqlite_writer
 from controller.models import (
@@ -516,7 +517,7 @@ class TelemetryMaintainer(BackgroundLoop):
     """Runs :func:`aggregate_ready` every ``interval_s`` and :func:`prune_raw` every ``prune_interval_s``.
 
     ``step()`` does one pass (tests drive it with their own clock); ``start()`` runs passes in a
-    daemon thread until ``stop()``.
+    daemon thread until ``stop()``, or, given ``process``, in a child process the thread keeps alive.
     """
 
     def __init__(
@@ -529,6 +530,7 @@ class TelemetryMaintainer(BackgroundLoop):
         prune_interval_s: float = 30.0,
         max_steps_per_pass: int = 64,
         clock: Callable[[], float] = time.time,
+        process: AggregationProcess | None = None,
     ) -> None:
         self.sessions = sessions
         self.retention_s = retention_s
@@ -538,6 +540,9 @@ class TelemetryMaintainer(BackgroundLoop):
         self.max_steps_per_pass = max_steps_per_pass
         self.clock = clock
         self._next_prune = float("-inf")
+        self.process = process
+        """Where the background passes run when set: a child process (:mod:`controller.aggregation_process`);
+        this loop's thread then only keeps it running. ``step()`` and ``flush()`` always run here."""
         super().__init__()
 
     def step(self, now: float | None = None, *, prune: bool | None = None) -> MaintenanceReport:
@@ -567,8 +572,16 @@ class TelemetryMaintainer(BackgroundLoop):
         return self.interval_s
 
     def tick(self) -> bool:
+        if self.process is not None:
+            self.process.ensure_running()
+            return False
         # A full pass means a backlog: go again at once.
         return self.step().aggregated_steps >= self.max_steps_per_pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        super().stop(timeout)
+        if self.process is not None:
+            self.process.stop(timeout)
 
 
 __all__ = [

@@ -10,10 +10,11 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
 from controller import migrate
 from controller.aggregation import TelemetryMaintainer
+from controller.aggregation_process import AggregationProcess, MaintainerParams
 from controller.api import jobs, nodes, packages, recovery, telemetry, tokens
 from controller.api import metrics as metrics_routes
 from controller.api import views as view_routes
@@ -21,7 +22,7 @@ from controller.api.deps import SessionDep
 from controller.auth import authorize, mint_internal_token
 from controller.db import make_engine, make_session_factory
 from controller.launcher import ClusterControl, JobLauncher, RayClusterControl, RayJobLauncher
-from controller.leader import Leadership, default_controller_id, leader_lock
+from controller.leader import Leadership, default_controller_id, leader_lock, shared_database
 from controller.limits import BodySizeLimit, validation_error_handler
 from controller.prometheus import make_registry
 from controller.recovery.monitor import Monitor
@@ -124,6 +125,7 @@ def create_app(
     app.state.telemetry = TelemetryMaintainer(
         app.state.sessions, retention_s=settings.raw_retention_s, settle_s=settings.aggregate_settle_s,
         interval_s=settings.telemetry_interval_s, prune_interval_s=settings.raw_prune_interval_s,
+        process=aggregation_process(settings, engine),
     )
     # Only the leader runs them (one monitor per database, or incidents are opened twice).
     app.state.leadership = Leadership(
@@ -160,6 +162,20 @@ def create_app(
         return RedirectResponse("/dashboard/" if mount_dashboard else "/api/v1/docs")
 
     return app
+
+
+def aggregation_process(settings: Settings, engine: Engine) -> AggregationProcess | None:
+    """The child process the leader's aggregation passes run in (``settings.aggregation_process``; by
+    default wherever another process can open the database: :mod:`controller.aggregation_process`), or
+    None for a thread (an in-memory SQLite database, or asked for)."""
+    wanted = settings.aggregation_process
+    if wanted is None:
+        wanted = shared_database(engine)
+    if not wanted:
+        return None
+    return AggregationProcess(engine.url.render_as_string(hide_password=False), MaintainerParams(
+        retention_s=settings.raw_retention_s, settle_s=settings.aggregate_settle_s,
+        interval_s=settings.telemetry_interval_s, prune_interval_s=settings.raw_prune_interval_s))
 
 
 def _mount_dashboard(app: FastAPI, settings: Settings) -> None:

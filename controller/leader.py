@@ -247,14 +247,22 @@ class AdvisoryLock:
                 pass
 
 
+def shared_database(engine: Engine) -> bool:
+    """Whether another process can open the app's database: PostgreSQL or a SQLite file (not an
+    in-memory SQLite database, which lives in this process alone)."""
+    if engine.dialect.name == "postgresql":
+        return True
+    db = engine.url.database
+    return bool(db) and db != ":memory:" and not db.startswith("file:")
+
+
 def leader_lock(engine: Engine) -> AdvisoryLock | FileLock | AlwaysLeader:
     """The lock for the app's database: an advisory lock on PostgreSQL, a :class:`FileLock` next to a
     SQLite file (``vigil.db.leader``), :class:`AlwaysLeader` for an in-memory SQLite database."""
     if engine.dialect.name == "postgresql":
         return AdvisoryLock(engine.url)
-    db = engine.url.database
-    if db and db != ":memory:" and not db.startswith("file:"):
-        return FileLock(f"{db}.leader")
+    if shared_database(engine):
+        return FileLock(f"{engine.url.database}.leader")
     return AlwaysLeader()
 
 

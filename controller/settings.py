@@ -79,6 +79,10 @@ class Settings(BaseSettings):
         2.0, ge=0, description="A step is aggregated once no new sample of it arrived for this long."
     )
     telemetry_interval_s: float = Field(1.0, gt=0, description="Period of the telemetry aggregation pass.")
+    aggregation_process: bool | None = Field(
+        None, description="Run the aggregation passes in a process of their own, off the ingest's GIL (default: "
+        "yes, unless the database is in-memory SQLite). controller/aggregation_process.py says why."
+    )
     raw_prune_interval_s: float = Field(30.0, gt=0, description="Period of the pruning of raw samples.")
     host_history_interval_s: float = Field(
         5.0, ge=0, le=3600, description="Shortest time between two stored host samples of a node (node history)."
