@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 from dataclasses import asdict, dataclass
 from multiprocessing.synchronize import Event
 
@@ -49,6 +50,8 @@ def _child(url: str, params: dict[str, float], stop: Event, parent_pid: int) -> 
     from controller.aggregation import TelemetryMaintainer
     from controller.db import make_engine, make_session_factory
 
+    # A Ctrl-C at the terminal reaches the whole process group: the controller stops this child itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s vigil-aggregation %(message)s")
     engine = make_engine(url)
     maintainer = TelemetryMaintainer(make_session_factory(engine), **params)  # type: ignore[arg-type]
