@@ -14,7 +14,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -168,6 +168,14 @@ class Prepared:
     without a Python pass over every row where the wire format allows (columnar: its string dictionary)."""
 
 
+_BATCHES, _JOBS, _NODES = TelemetryBatchSeen.__table__, Job.__table__, Node.__table__
+_SEEN = select(_BATCHES.c.id).where(_BATCHES.c.agent_id == bindparam("agent_id"), _BATCHES.c.seq == bindparam("seq"))
+_KNOWN = select(_JOBS.c.id).where(_JOBS.c.id.in_(bindparam("ids", expanding=True)))
+_ADD_BATCH = insert(_BATCHES).values(samples=0).returning(_BATCHES.c.id)
+_COUNT_BATCH = update(_BATCHES).where(_BATCHES.c.id == bindparam("row")).values(samples=bindparam("stored"))
+_NODE_AGENT = select(_NODES.c.agent_id).where(_NODES.c.id == bindparam("node"))
+
+
 def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: Callable[[set[str]], Prepared],
           now: float | None = None, host_history: HostHistoryLimits | None = None) -> TelemetryAck:
     """Store one batch once; the core both wire formats share (:func:`ingest`, and
@@ -184,17 +192,15 @@ def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: 
     nothing and counts nothing twice. A heartbeat also adds a row to its node's bounded host history
     (:mod:`controller.host_history`, ``host_history``: its bounds, default :class:`HostHistoryLimits`).
     """
-    seen = session.scalar(select(TelemetryBatchSeen.id).where(
-        TelemetryBatchSeen.agent_id == header.agent_id, TelemetryBatchSeen.seq == header.seq))
-    if seen is not None:
+    conn = session.connection()  # Core statements built once (below): this runs for every batch
+    if conn.execute(_SEEN, {"agent_id": header.agent_id, "seq": header.seq}).first() is not None:
         return TelemetryAck(accepted=True, duplicate=True, stored=0)
-    known = set(session.scalars(select(Job.id).where(Job.id.in_(job_ids))).all()) if job_ids else set()
+    known = set(conn.execute(_KNOWN, {"ids": list(job_ids)}).scalars()) if job_ids else set()
     rows = prepare(known)
     if rows.orphans:
         log.warning("batch %s/%s: %d samples for unknown jobs dropped", header.agent_id, header.seq, rows.orphans)
     try:
-        seen_row = session.execute(insert(TelemetryBatchSeen).values(agent_id=header.agent_id, seq=header.seq, samples=0)
-                                   .returning(TelemetryBatchSeen.id)).scalar_one()
+        seen_row = conn.execute(_ADD_BATCH, {"agent_id": header.agent_id, "seq": header.seq}).scalar_one()
     except IntegrityError:
         session.rollback()  # the same batch raced in through another request: stored once by that one
         return TelemetryAck(accepted=True, duplicate=True, stored=0)
@@ -202,7 +208,7 @@ def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: 
     stored += bulk_insert(session, "collective_metrics", (*COLLECTIVE_COLUMNS, "node_id"), rows.collectives)
     stored += len(rows.checkpoints) + len(rows.faults)
     if stored:
-        session.execute(update(TelemetryBatchSeen).where(TelemetryBatchSeen.id == seen_row).values(samples=stored))
+        conn.execute(_COUNT_BATCH, {"row": seen_row, "stored": stored})
     mark_dirty(session, rows.touched, time.time() if now is None else now)
     if rows.progress:
         update_job_progress(session, rows.progress)
@@ -273,7 +279,7 @@ def record_fault_hits(session: Session, samples: list[FaultSample]) -> None:
 
 
 def touch_node(session: Session, batch: TelemetryBatch) -> None:
-    if batch.heartbeat is None and session.scalar(select(Node.agent_id).where(Node.id == batch.node_id)) == batch.agent_id:
+    if batch.heartbeat is None and session.connection().execute(_NODE_AGENT, {"node": batch.node_id}).scalar() == batch.agent_id:
         return  # a known node, the same agent, no heartbeat: nothing to change (the common batch)
     node = session.get(Node, batch.node_id)
     if node is None:
