@@ -540,9 +540,7 @@ class TelemetryMaintainer(BackgroundLoop):
         self.max_steps_per_pass = max_steps_per_pass
         self.clock = clock
         self._next_prune = float("-inf")
-        self.process = process
-        """Where the background passes run when set: a child process (:mod:`controller.aggregation_process`);
-        this loop's thread then only keeps it running. ``step()`` and ``flush()`` always run here."""
+        self.process = process  # set: the background passes run there, this thread keeps it running
         super().__init__()
 
     def step(self, now: float | None = None, *, prune: bool | None = None) -> MaintenanceReport:
@@ -569,7 +567,17 @@ class TelemetryMaintainer(BackgroundLoop):
     thread_name = "vigil-telemetry"
 
     def pause_s(self) -> float:
-        return self.interval_s
+        """The interval, or less: until the earliest dirty step settles (not up to an interval later)."""
+        if self.process is not None:
+            return self.interval_s  # this thread only keeps the child running
+        with session_scope(self.sessions) as session:
+            touched = session.scalar(select(func.min(TelemetryDirtyStep.touched_at)))
+        if touched is None:
+            return self.interval_s
+        wait = touched + self.settle_s - self.clock()
+        if wait <= 0:  # settled before this pass and still dirty (deferred): no faster than twice a second
+            return min(self.interval_s, 0.5)
+        return min(self.interval_s, max(0.05, wait + 0.01))
 
     def tick(self) -> bool:
         if self.process is not None:

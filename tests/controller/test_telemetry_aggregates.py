@@ -206,6 +206,24 @@ def test_aggregates_follow_the_definition_and_both_paths_agree(client: TestClien
             assert fast.collectives == [pytest.approx(c) for c in slow.collectives]
 
 
+def test_the_pass_wakes_when_the_earliest_dirty_step_settles(client: TestClient) -> None:
+    maint = client.app.state.telemetry
+    maint.process = None  # the passes in this process's thread (in the child, the same code decides)
+    clock = [time.time()]
+    maint.clock = lambda: clock[0]
+    assert maint.pause_s() == maint.interval_s  # nothing dirty
+    job = _job(client)
+    post(client, random_run(job, ranks=2, steps=1, calls=1), 0)
+    with client.app.state.sessions() as s:
+        touched = s.scalar(select(TelemetryDirtyStep.touched_at))
+    clock[0] = touched + maint.settle_s - 0.3  # settles in 0.3 s: the next pass then, not an interval later
+    assert maint.pause_s() == pytest.approx(0.31)
+    clock[0] = touched  # settles in settle_s (2 s): the interval (1 s) first
+    assert maint.pause_s() == maint.interval_s
+    clock[0] = touched + maint.settle_s + 5  # settled and still dirty (deferred): no busy loop
+    assert maint.pause_s() == 0.5
+
+
 def test_rerun_step_latest_samples_win(client: TestClient) -> None:
     job = _job(client)
     first = random_run(job, ranks=3, steps=2, calls=2, seed=2)
