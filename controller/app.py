@@ -20,7 +20,8 @@ from controller.api import metrics as metrics_routes
 from controller.api import views as view_routes
 from controller.api.deps import SessionDep
 from controller.auth import authorize, mint_internal_token
-from controller.db import make_engine, make_session_factory
+from controller.background import BackgroundLoop
+from controller.db import WalCheckpointer, make_engine, make_session_factory
 from controller.launcher import ClusterControl, JobLauncher, RayClusterControl, RayJobLauncher
 from controller.leader import Leadership, default_controller_id, leader_lock, shared_database
 from controller.limits import BodySizeLimit, validation_error_handler
@@ -128,8 +129,11 @@ def create_app(
         process=aggregation_process(settings, engine),
     )
     # Only the leader runs them (one monitor per database, or incidents are opened twice).
+    loops: list[BackgroundLoop] = [app.state.supervisor, app.state.monitor, app.state.telemetry]
+    if engine.dialect.name == "sqlite":  # its WAL, checkpointed here rather than in the ingest's commits
+        loops.append(WalCheckpointer(app.state.sessions))
     app.state.leadership = Leadership(
-        leader_lock(engine), [app.state.supervisor, app.state.monitor, app.state.telemetry], app.state.sessions,
+        leader_lock(engine), loops, app.state.sessions,
         controller_id=settings.controller_id or default_controller_id(), interval=settings.leader_interval_s,
     )
     app.state.metrics_registry = make_registry(

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from controller.models import ApiToken, Job
@@ -94,6 +94,12 @@ def create_token(session: Session, spec: TokenCreate, created_by: str | None = N
     return TokenCreated(**to_public(tok).model_dump(), token=secret)
 
 
+_TOKENS = ApiToken.__table__
+_BY_HASH = select(*(_TOKENS.c[name] for name in ("id", "role", "job_id", "name", "node_id", "revoked_at", "expires_at",
+                                                 "last_used_at"))).where(_TOKENS.c.token_hash == bindparam("token_hash"))
+_USED = update(_TOKENS).where(_TOKENS.c.id == bindparam("token_id")).values(last_used_at=bindparam("now"))
+
+
 def authenticate(session: Session, token: str) -> Principal | None:
     """The principal of an active ``token``, or None (unknown, revoked or expired).
 
@@ -101,12 +107,14 @@ def authenticate(session: Session, token: str) -> Principal | None:
     """
     if not token.startswith(TOKEN_PREFIX) or len(token) > 256:
         return None
-    tok = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
+    # A Core statement built once, no ORM object: this runs for every request (telemetry posts included).
+    conn = session.connection()
+    tok = conn.execute(_BY_HASH, {"token_hash": hash_token(token)}).first()
     now = datetime.now(UTC)
-    if tok is None or not is_active(tok, now):
+    if tok is None or tok.revoked_at is not None or (tok.expires_at is not None and tok.expires_at <= now):
         return None
     if tok.last_used_at is None or now - tok.last_used_at >= LAST_USED_RESOLUTION:
-        tok.last_used_at = now
+        conn.execute(_USED, {"token_id": tok.id, "now": now})
     return Principal(token_id=tok.id, role=Role(tok.role), job_id=tok.job_id, name=tok.name, node_id=tok.node_id)
 
 
