@@ -27,7 +27,8 @@ the controller process and its children, the aggregation process among them, use
 the wall-clock figure depends on what else runs: ``load_average`` is the 1-minute load at the end).
 
 What bounds it: ``db_bound_samples_per_s`` is the database's own rate for the same rows, measured in
-the same run on a fresh database of the same backend: :func:`controller.telemetry.bulk_insert` of the
+the same run, after the posts (so that its garbage and its writeback do not weigh on them), on a fresh
+database of the same backend: :func:`controller.telemetry.bulk_insert` of the
 batches' rows, one transaction per batch, one connection, no HTTP and no decoding (the rows are built
 before each batch's clock starts). ``workers``: the controller's uvicorn worker processes
 (``--workers``; ``controller_cpu_s`` sums them all). The job is marked running, so the monitor runs
@@ -386,11 +387,6 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
                 workers: int = 1, measure_bound: bool = True) -> Result:
     home = Path(tempfile.mkdtemp(prefix="vigil-bench-ingest-"))
     try:
-        bound = None
-        if measure_bound:
-            log.info("%s: the database's own bound (bulk_insert, no HTTP)", backend)
-            bound = db_bound(backend, home, ranks=ranks, collectives=collectives, samples=samples, agents=agents,
-                             batch=batch)
         with _database(backend, home) as url:
             admin, agent = _tokens(url)
             proc_pid: list[int] = []
@@ -460,6 +456,12 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
             after = _db_bytes(url)
         latencies.sort()
         pass_max, pass_p50, passes = watch.summary()
+        bound = None
+        if measure_bound:  # after the run: its garbage and its writeback would otherwise weigh on the run
+            os.sync()
+            log.info("%s: the database's own bound (bulk_insert, no HTTP)", backend)
+            bound = db_bound(backend, home, ranks=ranks, collectives=collectives, samples=samples, agents=agents,
+                             batch=batch)
         return Result(
             backend=backend, ranks=ranks, samples_per_s=round(stored[0] / elapsed, 1),
             p99_latency_ms=round(1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
