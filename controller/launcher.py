@@ -1,7 +1,7 @@
 """The Ray adapter: every call the controller makes into Ray lives here.
 
 Jobs are Ray jobs submitted through Ray Job Submission, so they outlive a controller restart.
-The controller never imports the trainer: it launches it by entrypoint (``python -m trainer``).
+The controller never imports the trainer: it launches it by entrypoint (``python -m vigil``).
 Token authentication (Ray 2.60's default for clusters Vigil starts) is handled by Ray's own client
 from ``RAY_AUTH_MODE=token`` and the token file (``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN_PATH``).
 """
@@ -22,7 +22,7 @@ from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC
 
 log = logging.getLogger(__name__)
 
-TRAINER_ENTRYPOINT = "-m trainer"
+TRAINER_ENTRYPOINT = "-m vigil"
 
 
 @dataclass(frozen=True)

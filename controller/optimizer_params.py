@@ -91,7 +91,7 @@ class OptimizerParams:
 
 
 # --------------------------------------------------------------------------------------------------
-# DDP AdamW (trainer/optim/adamw.py)
+# DDP AdamW (vigil/optim/adamw.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -102,7 +102,7 @@ class AdamWParams(OptimizerParams):
 
 
 # --------------------------------------------------------------------------------------------------
-# DDP communication hooks (trainer/optim/hooks.py)
+# DDP communication hooks (vigil/optim/hooks.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -148,7 +148,7 @@ class HalfCompressParams(OptimizerParams):
 
 
 # --------------------------------------------------------------------------------------------------
-# Local steps: Local AdamW, SlowMo (trainer/optim/local.py), DSM-LS (trainer/optim/dsm.py)
+# Local steps: Local AdamW, SlowMo (vigil/optim/local.py), DSM-LS (vigil/optim/dsm.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -215,7 +215,7 @@ class DSMParams(OptimizerParams):
 
 
 # --------------------------------------------------------------------------------------------------
-# SDP4Bit (trainer/optim/sdp4bit.py)
+# SDP4Bit (vigil/optim/sdp4bit.py)
 # --------------------------------------------------------------------------------------------------
 
 WEIGHT_MODES = ("fp32", "qw", "qwd")
@@ -267,7 +267,7 @@ class SDP4BitParams(OptimizerParams):
 
 
 # --------------------------------------------------------------------------------------------------
-# CSER, EF-SGD, QSparse-local-SGD (trainer/optim/cser.py)
+# CSER, EF-SGD, QSparse-local-SGD (vigil/optim/cser.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -339,7 +339,7 @@ class QSparseParams(OptimizerParams):
 
 
 # --------------------------------------------------------------------------------------------------
-# Compressed AdamW (trainer/optim/compressed_adam.py)
+# Compressed AdamW (vigil/optim/compressed_adam.py)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -75,7 +75,7 @@ COLLECTIVE_COLUMNS = (
 )
 _OP = COLLECTIVE_COLUMNS.index("op")
 LIVE_OPS = frozenset({"heal", "quorum"})
-"""Collectives of live recovery that are also events of the job (``trainer.live``): a replica healed from
+"""Collectives of live recovery that are also events of the job (``vigil.live``): a replica healed from
 a live peer, a quorum formed again inside a step because a peer failed."""
 _step_values = attrgetter(*STEP_COLUMNS)
 _collective_values = attrgetter(*COLLECTIVE_COLUMNS)

@@ -1,7 +1,7 @@
 """Package boundaries of DESIGN.md, the whole layering:
 
-    operator tools (controller/cli, localcluster, netns, controller/bench, trainer/bench): may compose anything
-    server (the rest of controller/)   agent   trainer   dashboard   examples
+    operator tools (controller/cli, localcluster, netns, controller/bench, vigil/bench): may compose anything
+    server (the rest of controller/)   agent   vigil (the rank runtime and API)   dashboard   examples
     the contract (CONTRACT below): standard library, pydantic, httpx; nothing of the packages above
 
 Agent and dashboard import neither torch nor ray; the server never imports the trainer, the agent or
@@ -23,15 +23,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 FORBIDDEN = {
-    "agent": {"torch", "ray", "trainer", "dashboard"},
-    "dashboard": {"torch", "ray", "trainer", "agent"},
-    "controller": {"trainer", "examples"},
+    "agent": {"torch", "ray", "vigil", "dashboard"},
+    "dashboard": {"torch", "ray", "vigil", "agent"},
+    "controller": {"vigil", "examples"},
     # The trainer is a library the examples use, never the other way round (no private path).
-    "trainer": {"examples", "agent", "dashboard"},
+    "vigil": {"examples", "agent", "dashboard"},
     # Examples are written as a user writes them: the rank API and the contract, nothing internal.
     "examples": {"agent", "dashboard", "ray"},
 }
-EXEMPT = ("trainer/bench/",)
+EXEMPT = ("vigil/bench/",)
 """Benchmarks are operator tools that compose the packages (they run the examples)."""
 
 
@@ -42,7 +42,7 @@ CONTRACT = frozenset({
 """What every package may import from controller/: wire models, the typed client, settings and the
 shared paths, optimizer params, the checkpoint layout, waiting, background loops, link shaping."""
 OPERATOR = ("controller/cli/", "controller/localcluster.py", "controller/netns.py", "controller/bench/",
-            "trainer/bench/")
+            "vigil/bench/")
 """Composition roots: they start and wire the packages together."""
 DASHBOARD_MOUNT = "controller/app.py"
 
@@ -55,7 +55,7 @@ def _modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module in {"controller", "agent", "trainer", "dashboard"}:  # from controller import netns
+            if node.module in {"controller", "agent", "vigil", "dashboard"}:  # from controller import netns
                 out |= {f"{node.module}.{a.name}" for a in node.names}
             else:
                 out.add(node.module)
@@ -103,7 +103,7 @@ def _contract_files() -> dict[str, list[Path]]:
 
 def test_packages_take_only_the_contract_from_the_controller() -> None:
     offenders = {
-        _rel(p): sorted(bad) for p in _sources("agent", "trainer", "dashboard", "examples")
+        _rel(p): sorted(bad) for p in _sources("agent", "vigil", "dashboard", "examples")
         if not _rel(p).startswith(OPERATOR) and (bad := {m for m in _from_controller(p) if not _in_contract(m)})
     }
     assert offenders == {}, f"imports of the controller's inside (not the contract): {offenders}"
@@ -115,7 +115,7 @@ def test_the_contract_stands_alone() -> None:
         assert paths and all(p.is_file() for p in paths), f"contract module {name} not found"
         for path in paths:
             bad = {m for m in _from_controller(path) if not _in_contract(m)}
-            bad |= _imports(path) & {"agent", "trainer", "dashboard", "torch", "ray", "sqlalchemy", "fastapi"}
+            bad |= _imports(path) & {"agent", "vigil", "dashboard", "torch", "ray", "sqlalchemy", "fastapi"}
             if bad:
                 offenders[_rel(path)] = sorted(bad)
     assert offenders == {}, f"the contract imports more than itself: {offenders}"
@@ -128,7 +128,7 @@ def test_the_server_imports_no_operator_tool_and_no_other_package() -> None:
         rel = _rel(p)
         if rel.startswith(OPERATOR):
             continue
-        bad = {m for m in _modules(p) if m.split(".")[0] in {"agent", "trainer", "examples"}
+        bad = {m for m in _modules(p) if m.split(".")[0] in {"agent", "vigil", "examples"}
                or any(m == o or m.startswith(o + ".") for o in operator_modules)}
         if rel != DASHBOARD_MOUNT:
             bad |= {m for m in _modules(p) if m.split(".")[0] == "dashboard"}
@@ -140,9 +140,9 @@ def test_the_server_imports_no_operator_tool_and_no_other_package() -> None:
 @pytest.mark.parametrize(
     ("modules", "forbidden"),
     [
-        (["agent.main"], ["torch", "ray", "trainer"]),
-        (["dashboard.app"], ["torch", "ray", "trainer"]),
-        (["controller.app", "controller.cli"], ["trainer"]),
+        (["agent.main"], ["torch", "ray", "vigil"]),
+        (["dashboard.app"], ["torch", "ray", "vigil"]),
+        (["controller.app", "controller.cli"], ["vigil"]),
     ],
 )
 def test_runtime_imports_respect_boundaries(modules: list[str], forbidden: list[str]) -> None:
@@ -178,7 +178,7 @@ def _top_level_imports(path: Path, known: set[str]) -> set[str]:
 
 def test_no_import_cycles() -> None:
     """No module imports, at import time, a module that imports it back (directly or around a circle)."""
-    paths = {_module_name(p): p for p in _sources("agent", "controller", "dashboard", "trainer", "examples")}
+    paths = {_module_name(p): p for p in _sources("agent", "controller", "dashboard", "vigil", "examples")}
     graph = {m: _top_level_imports(p, set(paths)) - {m} for m, p in paths.items()}  # a package naming itself
     cycles: list[list[str]] = []
     state: dict[str, int] = {}  # 1: on the current path, 2: done

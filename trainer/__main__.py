@@ -1,8 +1,8 @@
-"""``python -m trainer``: the Ray job entrypoint (see :mod:`trainer.driver`)."""
+"""Compatibility: ``python -m trainer`` is ``python -m vigil`` (the job driver)."""
 
 import sys
 
-from trainer.driver import main
+from vigil.driver import main
 
 if __name__ == "__main__":
     sys.exit(main())

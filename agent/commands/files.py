@@ -28,7 +28,7 @@ MANIFEST_MARKER = "manifest"
 #: Bytes overwritten in the middle of each data file. A fixed pattern, so a redo finds the bytes
 #: already corrupted and reports that instead of undoing (an XOR would) or re-randomising them.
 CORRUPTION = (b"VIGIL-CORRUPTED!" * 4)[:64]
-#: The rank renames its fault file to ``rank-<r>.json`` + this when the fault fires (trainer/faults.py).
+#: The rank renames its fault file to ``rank-<r>.json`` + this when the fault fires (vigil/faults.py).
 
 
 class FileKinds:

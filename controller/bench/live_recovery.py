@@ -1,6 +1,6 @@
 """``vigil bench recovery --policy live``: the same faults under live recovery and under today's restart.
 
-Live recovery (``recovery.policy: live``, :mod:`trainer.live`): every rank is a torchft replica; a failed
+Live recovery (``recovery.policy: live``, :mod:`vigil.live`): every rank is a torchft replica; a failed
 one is replaced and heals from a live peer while the others train on. Each fault kind runs on a 2-rank
 job under live and, beside it on the same cluster, under evict_restart (``--no-baseline``: live alone),
 a checkpoint every 10 steps for both, and reports per fault:

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 BENCHMARKS = {
-    "comm": "trainer.bench.comm",
-    "kernels": "trainer.bench.kernels",
-    "convergence": "trainer.bench.convergence",
-    "overhead": "trainer.bench.overhead",
-    "speedup": "trainer.bench.speedup",
+    "comm": "vigil.bench.comm",
+    "kernels": "vigil.bench.kernels",
+    "convergence": "vigil.bench.convergence",
+    "overhead": "vigil.bench.overhead",
+    "speedup": "vigil.bench.speedup",
     "ingest": "controller.bench.ingest",
     "recovery": "controller.bench.recovery",
     "chaos": "controller.bench.chaos",

@@ -17,7 +17,7 @@ controller, whose FailurePolicy turns each failure into a decision. The rules (d
   group on healthy nodes); otherwise OBSERVE.
 * ``nan_loss``: ROLLBACK (every rank restarts from the last checkpoint) under ``rollback`` and
   ``evict_restart``; ``loss_spike``: OBSERVE.
-* ``live`` (every rank a torchft replica, :mod:`trainer.live`): a dead rank's replica is restarted by Ray
+* ``live`` (every rank a torchft replica, :mod:`vigil.live`): a dead rank's replica is restarted by Ray
   and heals from a live peer (RESTART, Vigil kills nothing); a diagnosed hang kills the hung ranks only;
   a straggler or sick NIC kills the rank's replica and evicts its node (so Ray places the replacement
   elsewhere), or only kills it where the node cannot go; NaN loss rolls every replica back from disk.

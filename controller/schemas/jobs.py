@@ -70,7 +70,7 @@ _ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
 
 OptimizerKind = Literal[OPTIMIZER_KINDS]  # type: ignore[valid-type]
 """Every optimizer kind: the keys of ``controller.optimizer_params.PARAMS_BY_KIND`` (one list; the
-trainer's registry is checked against it by tests/trainer/optim/test_kinds.py)."""
+trainer's registry is checked against it by tests/vigil/optim/test_kinds.py)."""
 
 
 class ModelSpec(_Strict):
@@ -330,7 +330,7 @@ class JobCreate(_Strict):
         DEFAULT_ENTRYPOINT, min_length=1, max_length=ENTRYPOINT_MAX,
         description="What every rank runs: a function 'package.module:function' called with `config` (Ray "
         "Train style), or a script 'python train.py --epochs 3' run as __main__ on every rank (a path inside "
-        "working_dir). Both use the rank API (trainer.sdk). Default: the bundled GPT example.",
+        "working_dir). Both use the rank API (vigil.sdk). Default: the bundled GPT example.",
     )
     working_dir: str | None = Field(
         None, pattern=PACKAGE_REF_PATTERN,

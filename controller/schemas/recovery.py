@@ -238,7 +238,7 @@ class CheckpointsPublic(BaseModel):
 
 
 TRAINING_THREAD = "vigil-train"
-"""Name Vigil gives the thread that runs a rank's training function (``trainer/runner.py``), so that
+"""Name Vigil gives the thread that runs a rank's training function (``vigil/runner.py``), so that
 its stack can be told from the process's other threads: under Ray Train the process's *main* thread
 idles in Ray's worker loop on every rank, and only the training thread shows where a rank is stuck."""
 

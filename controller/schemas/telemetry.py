@@ -102,7 +102,7 @@ class CheckpointSample(_Strict):
 
 
 class FaultSample(_Strict):
-    """An injected fault that the rank itself carried out (a fault file, trainer/faults.py), sent just
+    """An injected fault that the rank itself carried out (a fault file, vigil/faults.py), sent just
     before acting: the step it really hit, for the fault's record (``hit_step``)."""
 
     kind: Literal["fault"] = "fault"

@@ -3,7 +3,7 @@
 Vigil's bundled example and the default entry point of a job spec (``entrypoint:
 gpt_train:train_func`` with ``--working-dir examples/gpt_pydoc``, or the installed
 ``examples.gpt_pydoc.gpt_train:train_func``). It uses nothing a user's code could not: the model
-(:mod:`trainer.model`) and the corpus (:mod:`trainer.data`) are ordinary library code, the loop is
+(:mod:`vigil.model`) and the corpus (:mod:`vigil.data`) are ordinary library code, the loop is
 below. Its settings are the job spec's ``model``, ``data``, ``batch_size``, ``lr_schedule``,
 ``eval_interval`` and ``steps``; the optimizer is the spec's ``optimizer`` (any kind).
 
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from controller.schemas import JobCreate
-from trainer import sdk as vigil
-from trainer.data import BatchSampler, build_samplers
-from trainer.model import build_model
+from vigil import sdk as vigil
+from vigil.data import BatchSampler, build_samplers
+from vigil.model import build_model
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import sdk as vigil
+from vigil import sdk as vigil
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from trainer import sdk as vigil
+from vigil import sdk as vigil
 
 
 class Cursor:

@@ -3,7 +3,7 @@ agent could not take and sends its replay window again to the restarted agent; t
 each sample once.
 
 Real processes: ``vigil controller`` (SQLite) and ``python -m agent`` as children; two ranks'
-:class:`~trainer.telemetry.RankTelemetry` in this process send step and collective samples through
+:class:`~vigil.telemetry.RankTelemetry` in this process send step and collective samples through
 the agent's unix socket, 100 steps a second, while the agent is killed twice (once mid-stream, once
 right after a batch left) and started again. Counts are read from the database.
 
@@ -25,8 +25,8 @@ from controller.probe import wait_for
 from controller.schemas import StepSample
 from controller.settings import agent_socket_path
 from tests.agent.test_controller_crash import REPO, ControllerProcess, _submit, counts, setup  # noqa: F401
-from trainer.comm import CollectiveRecord
-from trainer.telemetry import RankTelemetry
+from vigil.comm import CollectiveRecord
+from vigil.telemetry import RankTelemetry
 
 RANKS, CALLS, NODE = 2, 2, "node-k9"
 

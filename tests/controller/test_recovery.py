@@ -330,9 +330,9 @@ def test_hang_collects_stacks_names_odd_rank_and_evicts(env: Env) -> None:
     dumps = {n: env.commands(n) for n in ("vigil-node-1", "vigil-node-2")}
     assert all(len(c) == 1 and c[0]["kind"] == "pyspy_dump" for c in dumps.values())
     waiting = ('Thread 0x1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:2800)\n'
-               "    all_reduce (trainer/comm.py:90)\n    step (trainer/optim/adamw.py:40)\n    train (trainer/loop.py:200)\n")
-    stopped = ('Thread 0x1 (idle): "MainThread"\n    forward (trainer/model.py:120)\n    _call_impl (torch/nn/modules/'
-               "module.py:1700)\n    train (trainer/loop.py:190)\n")
+               "    all_reduce (vigil/comm.py:90)\n    step (vigil/optim/adamw.py:40)\n    train (vigil/loop.py:200)\n")
+    stopped = ('Thread 0x1 (idle): "MainThread"\n    forward (vigil/model.py:120)\n    _call_impl (torch/nn/modules/'
+               "module.py:1700)\n    train (vigil/loop.py:190)\n")
     env.answer("vigil-node-1", dumps["vigil-node-1"][0]["id"], output={"stacks": {"0": waiting}})
     env.answer("vigil-node-2", dumps["vigil-node-2"][0]["id"],
                output={"stacks": {"1": stopped}, "states": {"1": "stopped"}})

@@ -42,10 +42,10 @@ def _dump(train_frames: list[str], *, state: str = "sleeping", name: str = TRAIN
     )
 
 
-WAITING = ["wait (trainer/comm.py:40)", "all_reduce (trainer/comm.py:80)", "step (trainer/sdk.py:10)",
-           "train_loop_per_worker (trainer/runner.py:150)"]
+WAITING = ["wait (vigil/comm.py:40)", "all_reduce (vigil/comm.py:80)", "step (vigil/sdk.py:10)",
+           "train_loop_per_worker (vigil/runner.py:150)"]
 DEADLOCK = ["acquire (threading.py:100)", "load_batch (user/data.py:12)", "train (user/train.py:30)",
-            "train_loop_per_worker (trainer/runner.py:150)"]
+            "train_loop_per_worker (vigil/runner.py:150)"]
 
 
 def test_threads_are_parsed_with_names_and_frames() -> None:

@@ -137,10 +137,10 @@ def checkpoint(ck_id: int, step: int, *, valid: bool = True, created_s: float | 
 
 
 WAITING_STACK = ('Thread 0x1 (idle): "vigil-train"\n    all_reduce (torch/distributed/distributed_c10d.py:2800)\n'
-                 "    all_reduce (trainer/comm.py:90)\n    step (trainer/optim/adamw.py:40)\n"
-                 "    train (trainer/loop.py:200)\n")
-STOPPED_STACK = ('# process state: stopped\nThread 0x1 (idle): "vigil-train"\n    forward (trainer/model.py:120)\n'
-                 "    _call_impl (torch/nn/modules/module.py:1700)\n    train (trainer/loop.py:190)\n")
+                 "    all_reduce (vigil/comm.py:90)\n    step (vigil/optim/adamw.py:40)\n"
+                 "    train (vigil/loop.py:200)\n")
+STOPPED_STACK = ('# process state: stopped\nThread 0x1 (idle): "vigil-train"\n    forward (vigil/model.py:120)\n'
+                 "    _call_impl (torch/nn/modules/module.py:1700)\n    train (vigil/loop.py:190)\n")
 
 
 def stacks(ranks: int = 4, odd: int = 1) -> StacksPublic:

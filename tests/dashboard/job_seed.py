@@ -44,9 +44,9 @@ ELEMENTS = 1_000_000
 """Model elements each collective call communicates (per rank)."""
 
 WAITING = ('Thread 0x1 (active): "vigil-train"\n    all_reduce (torch/distributed/distributed_c10d.py:2800)\n'
-           "    all_reduce (trainer/comm.py:90)\n    step (trainer/optim/adamw.py:40)\n    train (trainer/loop.py:200)\n")
-STOPPED = ('Thread 0x1 (idle): "vigil-train"\n    forward (trainer/model.py:120)\n'
-           "    _call_impl (torch/nn/modules/module.py:1700)\n    train (trainer/loop.py:190)\n")
+           "    all_reduce (vigil/comm.py:90)\n    step (vigil/optim/adamw.py:40)\n    train (vigil/loop.py:200)\n")
+STOPPED = ('Thread 0x1 (idle): "vigil-train"\n    forward (vigil/model.py:120)\n'
+           "    _call_impl (torch/nn/modules/module.py:1700)\n    train (vigil/loop.py:190)\n")
 
 
 @dataclass

@@ -164,10 +164,10 @@ def test_hang_stacks_checkpoints_and_goodput(diag: tuple[Browser, Diagnosis]) ->
         assert expected in text, (expected, text)
     odd = page.wait_css("#job-detail-stack-odd")[0]
     assert odd.get_attribute("data-rank") == str(ODD)
-    assert "forward (trainer/model.py:120)" in odd.text
+    assert "forward (vigil/model.py:120)" in odd.text
     diff = [e.text for e in page.css("#job-detail-stack-odd .vigil-stack-diff")]
-    assert any("forward (trainer/model.py:120)" in line for line in diff)
-    assert "all_reduce (trainer/comm.py:90)" in page.text("job-detail-stack-majority")
+    assert any("forward (vigil/model.py:120)" in line for line in diff)
+    assert "all_reduce (vigil/comm.py:90)" in page.text("job-detail-stack-majority")
     assert f"odd rank out: {ODD}" in page.text("job-detail-stacks")
     timeline = _graph_with_data(page, "job-detail-incident-timeline")
     assert {t["name"] for t in timeline["traces"] if t["n"]} >= {"fault", "detected", "acted", "recovered"}

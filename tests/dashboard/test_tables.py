@@ -228,7 +228,7 @@ def test_stack_comparison_shows_the_odd_rank_against_the_majority() -> None:
     odd = _by_id(view, "job-detail-stack-odd")
     assert odd.to_plotly_json()["props"]["data-rank"] == "1"
     diff = [c.children.strip() for c in _walk(odd) if getattr(c, "className", None) == "vigil-stack-diff"]
-    assert "forward (trainer/model.py:120)" in diff
+    assert "forward (vigil/model.py:120)" in diff
     assert not any("all_reduce" in line for line in diff)
 
 

@@ -356,13 +356,13 @@ def test_live_a_hung_rank_is_replaced_and_healed_while_its_peer_trains_on(
     controller finds rank 1 silent on its own, kills it alone (no eviction), Ray starts it again and it
     heals from rank 0; the incident is RECOVERED when it steps again, and the job SUCCEEDS.
 
-    A user loop paced at 0.1 s a step (tests/trainer/live_entry.py): the hang's detection (15 s floor),
+    A user loop paced at 0.1 s a step (tests/vigil/live_entry.py): the hang's detection (15 s floor),
     stack dumps, kill and the replacement's start take ~40 s, and rank 0 must still be training then
     whatever the machine's load (the GPT ran its last 370 steps alone in under 15 s on a quiet machine)."""
     if os.geteuid() != 0:
         pytest.skip("py-spy needs ptrace rights (root) to read another process's stacks")
     spec = _spec("live-hang", policy="live", steps=LIVE_HANG_STEPS).model_copy(deep=True, update={
-        "entrypoint": "tests.trainer.live_entry:train_func",
+        "entrypoint": "tests.vigil.live_entry:train_func",
         "config": {"out": str(tmp_path), "step_sleep_s": 0.1, "samples": 4096, "batch_size": 32, "features": 2,
                    "classes": 8, "hidden": 32}})
     spec.scaling.min_workers = 1  # a quorum of one: rank 0 trains on alone while rank 1 is replaced

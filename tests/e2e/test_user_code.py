@@ -103,7 +103,7 @@ import torch
 from torch import nn
 
 from mymodel import Data, Net
-from trainer import sdk as vigil
+from vigil import sdk as vigil
 {LOOP}
 
 def train_func(config):
@@ -118,7 +118,7 @@ import torch
 from torch import nn
 
 from mymodel import Data, Net
-from trainer import sdk as vigil
+from vigil import sdk as vigil
 {LOOP}
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from controller import netns
-from trainer.bench.netns_ranks import enter_namespace, nic_bytes
-from trainer.bench.ranks import run_ranks
-from trainer.comm import Comm
+from vigil.bench.netns_ranks import enter_namespace, nic_bytes
+from vigil.bench.ranks import run_ranks
+from vigil.comm import Comm
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,124 @@
+"""Live recovery's communication layer (vigil/live.py) against a stand-in torchft manager: a failed
+all-reduce is run again from this rank's own input in a new quorum, counted and timed; what live
+recovery cannot do is refused by name; the job spec refuses ``live`` for optimizers that cannot heal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from controller.schemas import LIVE_OPTIMIZERS, JobCreate
+from vigil.live import RETRIES, LiveComm, LiveError
+from vigil.live_driver import lighthouse_address
+
+
+class _Err:
+    def __init__(self, msg: str) -> None:
+        self.original_exception = RuntimeError(msg)
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+class FakeManager:
+    """Sums with ``peers`` (the other replicas' contributions); fails the first ``failures`` all-reduces
+    (the tensor left garbage, as a broken collective leaves it); each quorum may drop a peer."""
+
+    def __init__(self, peers: list[float], failures: int = 0) -> None:
+        self.peers = list(peers)
+        self.failures = failures
+        self.quorums = 0
+        self._commit_failures = 0  # torchft's: a new quorum id (process groups rebuilt) when > 0
+        self._errored: _Err | None = None
+
+    def num_participants(self) -> int:
+        return 1 + len(self.peers)
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> _Work:
+        if self.failures > 0:
+            self.failures -= 1
+            tensor.fill_(float("nan"))
+            self._errored = _Err("peer died")
+        else:
+            tensor.add_(sum(self.peers))
+        return _Work()
+
+    def errored(self) -> _Err | None:
+        return self._errored
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+        self._errored = None
+        self.peers = self.peers[:-1]  # the replica that failed is out of the new quorum
+
+
+def test_a_failed_all_reduce_runs_again_from_the_own_input_in_the_survivors_quorum() -> None:
+    m = FakeManager(peers=[10.0, 20.0], failures=1)
+    comm = LiveComm(m, rank=0, world_size=3)
+    comm.set_step(7)
+    t = torch.full((4,), 1.0)
+    comm.all_reduce(t, tag="grads")
+    assert torch.equal(t, torch.full((4,), 11.0))  # 1 + 10: the dead peer's 20 is not in it, nor the NaN
+    assert comm.world_size == 2 and comm.reforms == 1 and m.quorums == 1
+    assert m._commit_failures == 1  # the retry's quorum rebuilds the process group the failure broke
+    recs = comm.drain()
+    assert [(r.step, r.seq, r.op, r.tag) for r in recs] == [(7, 0, "quorum", "reform"), (7, 1, "all_reduce", "grads")]
+    assert recs[1].payload_bytes == 16 and recs[1].wire_bytes == 16  # 2 (n-1)/n x 16 bytes with n = 2
+
+
+def test_average_divides_by_the_quorum_and_repeated_failures_give_up() -> None:
+    comm = LiveComm(FakeManager(peers=[3.0]), rank=0, world_size=2)
+    t = torch.tensor([1.0])
+    comm.all_reduce(t, op=torch.distributed.ReduceOp.AVG)
+    assert t.item() == 2.0
+    broken = LiveComm(FakeManager(peers=[1.0] * 10, failures=RETRIES + 1), rank=0, world_size=11)
+    with pytest.raises(LiveError, match="failed"):
+        broken.all_reduce(torch.ones(2))
+
+
+def test_what_live_recovery_cannot_do_is_refused_by_name() -> None:
+    comm = LiveComm(FakeManager(peers=[1.0]), rank=0, world_size=2)
+    t = torch.ones(2)
+    assert comm.broadcast(t, tag="init") is t  # the first quorum heals every replica from one instead
+    for call, name in [(lambda: comm.broadcast(t, tag="x"), "broadcast"),
+                       (lambda: comm.all_gather_into_tensor(torch.ones(4), t), "all-gather"),
+                       (lambda: comm.reduce_scatter_tensor(torch.ones(1), t), "reduce-scatter"),
+                       (lambda: comm.all_to_all_single(torch.ones(2), t), "all-to-all"),
+                       (lambda: comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX), "MAX")]:
+        with pytest.raises(LiveError, match=name):
+            call()
+
+
+def test_a_heal_record_keeps_its_place_when_the_step_opens() -> None:
+    comm = LiveComm(FakeManager(peers=[]), rank=0, world_size=1)
+    comm.set_step(5)
+    comm.record_external("heal", tag="live", payload_bytes=8, wire_bytes=0, elements=0, duration_s=0.5)
+    comm.set_step(5)  # the step opens: the heal stays seq 0
+    comm.all_reduce(torch.ones(1))
+    assert [(r.op, r.seq) for r in comm.drain()] == [("heal", 0), ("all_reduce", 1)]
+
+
+@pytest.mark.parametrize("optimizer", [{"kind": "sdp4bit"}, {"kind": "compressed_adam"}, {"kind": "powersgd"},
+                                       {"kind": "dsm"}, {"kind": "slowmo", "params": {"sharded": True}}])
+def test_live_is_refused_for_optimizers_that_cannot_heal_from_one_peer(optimizer: dict) -> None:
+    with pytest.raises(ValidationError, match="recovery.policy: 'live' needs"):
+        JobCreate.model_validate({"name": "x", "optimizer": optimizer, "recovery": {"policy": "live"}})
+
+
+@pytest.mark.parametrize("kind", sorted(LIVE_OPTIMIZERS))
+def test_live_is_accepted_for_all_reduce_optimizers(kind: str) -> None:
+    params = {"sharded": False} if kind in ("dsm", "slowmo") else {}
+    spec = JobCreate.model_validate({"name": "x", "optimizer": {"kind": kind, "params": params},
+                                     "recovery": {"policy": "live"}})
+    assert spec.recovery.policy.value == "live"
+
+
+def test_the_lighthouse_is_reached_at_the_drivers_node_address() -> None:
+    assert lighthouse_address("http://somehost:29510", "198.18.0.1") == "http://198.18.0.1:29510"
+    with pytest.raises(RuntimeError, match="no port"):
+        lighthouse_address("http://somehost", "198.18.0.1")

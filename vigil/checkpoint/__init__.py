@@ -1,0 +1,49 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): a manifest, validity, fallback, retention, resharding.
+
+The package, by concern:
+
+* :mod:`~controller.checkpoint_layout` (shared with the agent): the ``step-XXXXXXXX`` folder names and the manifest's file
+  name (torch-free);
+* :mod:`~vigil.checkpoint.format`: the on-disk format (manifest, checksums, validity, pointers),
+  where a job's checkpoints live, retention and the choice of the newest valid checkpoint;
+* :mod:`~vigil.checkpoint.state`: the named state of a rank (``state_of``, ``check_state``), its
+  layout (replicated, local, sharded) and its flattening to DCP keys;
+* :mod:`~vigil.checkpoint.reshard`: save and restore one folder, restoring on any world size;
+* :mod:`~vigil.checkpoint.checkpointer`: the train loop's :class:`Checkpointer` (async saves,
+  agreement across ranks on finite state, fallback past invalid checkpoints, reports).
+
+This module re-exports what the rest of Vigil uses.
+"""
+
+from controller.checkpoint_layout import MANIFEST_FILE, list_step_dirs, step_dir
+from vigil.checkpoint.checkpointer import Checkpointer
+from vigil.checkpoint.format import (
+    POINTER_FILE,
+    InvalidCheckpoint,
+    choose,
+    job_root,
+    prune,
+    resolve,
+    verify,
+    write_pointer,
+)
+from vigil.checkpoint.reshard import restore, save
+from vigil.checkpoint.state import state_of
+
+__all__ = [
+    "MANIFEST_FILE",
+    "POINTER_FILE",
+    "Checkpointer",
+    "InvalidCheckpoint",
+    "choose",
+    "job_root",
+    "list_step_dirs",
+    "prune",
+    "resolve",
+    "restore",
+    "save",
+    "state_of",
+    "step_dir",
+    "verify",
+    "write_pointer",
+]

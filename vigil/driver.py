@@ -1,0 +1,261 @@
+"""The Ray job driver: validate the job spec and its entry point, then run it on every rank with Ray Train v2.
+
+Runs as the entrypoint of a Ray job (``python -m vigil``) on an existing cluster: ``ray.init()``
+with no address joins it (``RAY_ADDRESS`` is set by the job runner; token auth, on by default in
+Ray 2.60, is picked up by ``ray.init`` itself). Inputs, in order of precedence:
+
+- ``--job-id ID``, else env ``VIGIL_JOB_ID``;
+- ``--spec-file PATH`` (JSON or YAML), else env ``VIGIL_JOB_SPEC`` (JSON);
+- env ``VIGIL_RUN_DIR``: node-local folder of the agents' sockets (default from settings);
+- env ``VIGIL_STORAGE_PATH``: where checkpoints live (default ``~/.vigil-storage``): Vigil's
+  checkpoint root of the job, ``<storage>/<slug(job id)>/checkpoints`` (see
+  :mod:`vigil.checkpoint`), and Ray Train's run folder ``<storage>/vigil-<slug(job id)>``, which
+  holds pointers to them. Multi-node runs need a path every node sees; on one machine any local
+  path is shared.
+
+The Ray Train run is named ``vigil-<slug(job id)>``: a resubmitted job with the same id resumes
+from the newest valid checkpoint of its root (or the one Ray Train recorded, when newer).
+
+Recovery settings handed to Ray Train: ``recovery.max_restarts`` is ``FailureConfig.max_failures``
+(preemptions, i.e. Vigil's own evictions, are counted apart by Ray Train and not limited here: the
+controller bounds restarts without progress). Ray Train counts every failure of a run, progress or
+not, so a long job hit by more faults than that, days apart, would fail; the driver therefore starts
+a fresh Ray Train run (from the newest valid checkpoint) when a run fails *after* its newest valid
+checkpoint moved forward, and gives up only when a run's ``max_restarts`` restarts made no progress
+(:func:`fit_while_progressing`). The environment gets, unless already set,
+``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=15`` (Ray's default of 60 s is mostly spent waiting for
+workers that an eviction made impossible before the group restarts smaller) and
+``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S=1`` (how soon ranks learn of a drain; Ray's default is 5 s);
+Ray Train hands both to its controller and workers.
+
+Exit status: 0 on success, 2 for a bad spec or arguments, 1 when training failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from controller.schemas import JobCreate, RecoveryPolicy, slugify
+from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC, ENV_RUN_DIR, storage_path_from_env
+
+log = logging.getLogger(__name__)
+
+RAY_TRAIN_ENV_DEFAULTS: dict[str, str] = {
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
+    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
+}
+"""Ray Train settings the driver sets unless the environment already has them (module docstring)."""
+
+
+class UsageError(Exception):
+    """Bad arguments or spec: exit status 2 with the message."""
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """Everything the driver needs, validated."""
+
+    job_id: str
+    spec: JobCreate
+    run_dir: str | None
+    storage_path: str
+    report_interval: int | None = None
+
+
+def _read_spec(text: str, source: str) -> JobCreate:
+    try:
+        raw: Any = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import yaml
+
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise UsageError(f"{source}: neither JSON nor YAML ({e})") from e
+    try:
+        return JobCreate.model_validate(raw)
+    except ValidationError as e:
+        raise UsageError(f"{source}: invalid job spec:\n{e}") from e
+
+
+def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> DriverConfig:
+    """Arguments and environment to a :class:`DriverConfig`; :class:`UsageError` when unusable."""
+    env = dict(os.environ) if env is None else env
+    p = argparse.ArgumentParser(prog="python -m vigil", description="Run a Vigil training job on Ray Train.")
+    p.add_argument("--job-id", help=f"Vigil job id (default: ${ENV_JOB_ID})")
+    p.add_argument("--spec-file", type=Path, help=f"job spec, JSON or YAML (default: ${ENV_JOB_SPEC} as JSON)")
+    p.add_argument("--report-interval", type=int, default=None, help="steps between Ray Train reports")
+    args = p.parse_args(argv)
+
+    job_id = args.job_id or env.get(ENV_JOB_ID)
+    if not job_id:
+        raise UsageError(f"no job id: pass --job-id or set {ENV_JOB_ID}")
+    from vigil.telemetry import check_job_id
+
+    try:
+        check_job_id(job_id)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    if args.spec_file is not None:
+        try:
+            spec = _read_spec(args.spec_file.read_text(), str(args.spec_file))
+        except OSError as e:
+            raise UsageError(f"cannot read spec file: {e}") from e
+    elif env.get(ENV_JOB_SPEC):
+        spec = _read_spec(env[ENV_JOB_SPEC], f"${ENV_JOB_SPEC}")
+    else:
+        raise UsageError(f"no job spec: pass --spec-file or set {ENV_JOB_SPEC}")
+    from vigil.runner import EntrypointError, check_entrypoint
+
+    try:  # here, where the job's code is (its working_dir is this process's working directory)
+        check_entrypoint(spec.entrypoint)
+    except (EntrypointError, ValueError) as e:
+        raise UsageError(str(e)) from e
+    if args.report_interval is not None and args.report_interval < 1:
+        raise UsageError("--report-interval must be >= 1")
+    storage = str(storage_path_from_env(env).resolve())
+    return DriverConfig(
+        job_id=job_id, spec=spec, run_dir=env.get(ENV_RUN_DIR) or None, storage_path=storage,
+        report_interval=args.report_interval,
+    )
+
+
+def rank_config(cfg: DriverConfig) -> dict[str, Any]:
+    """What every rank is handed (:func:`vigil.runner.run_rank`)."""
+    from vigil.checkpoint import job_root
+
+    return {
+        "spec": cfg.spec.model_dump(mode="json"),
+        "job_id": cfg.job_id,
+        "run_dir": cfg.run_dir,
+        "checkpoint_root": str(job_root(cfg.storage_path, cfg.job_id)),
+        "report_interval": cfg.report_interval,
+    }
+
+
+def build_trainer(cfg: DriverConfig) -> Any:
+    """The ``TorchTrainer`` for ``cfg`` (needs ``ray.init`` before ``fit``)."""
+    # Ray Train v2 is chosen when ray.train is first imported; set the switch before that.
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    # Read by Ray Train's controller and workers: fit() hands the driver's values to both.
+    for name, value in RAY_TRAIN_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    # The v2 classes by their own modules: ``ray.train`` and ``ray.train.torch`` re-export them only
+    # when v2 is on, which type checkers cannot see (and which a stray RAY_TRAIN_V2_ENABLED=0 would flip).
+    from ray.train.torch import TorchConfig
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+    from vigil.runner import train_loop_per_worker
+
+    sc = cfg.spec.scaling
+    num_workers: int | tuple[int, int] = (
+        (sc.min_workers, sc.max_workers) if sc.min_workers != sc.max_workers else sc.max_workers
+    )
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=rank_config(cfg),
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, resources_per_worker={"CPU": sc.cpus_per_worker}, use_gpu=False
+        ),
+        run_config=RunConfig(
+            name=f"vigil-{slugify(cfg.job_id)}",  # a path under storage_path: never raw input
+            storage_path=cfg.storage_path,
+            failure_config=FailureConfig(max_failures=cfg.spec.recovery.max_restarts),
+            # Ray keeps pointers only (vigil.checkpoint); Vigil's own retention keeps the data.
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.spec.checkpoint.keep_last),
+            # Ranks are single-threaded by design (many ranks share a machine's cores).
+            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+        ),
+    )
+
+
+def run(cfg: DriverConfig) -> dict[str, Any]:
+    """Connect to Ray, train, and return the final metrics of rank 0. Raises on training failure."""
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    log.info(
+        "job %s: %s on %s-%s workers, %d steps, storage %s", cfg.job_id, cfg.spec.optimizer.kind,
+        cfg.spec.scaling.min_workers, cfg.spec.scaling.max_workers, cfg.spec.steps, cfg.storage_path,
+    )
+    from vigil.checkpoint import job_root
+
+    if cfg.spec.recovery.policy == RecoveryPolicy.LIVE:
+        from vigil.live_driver import run_live
+
+        sc = cfg.spec.scaling
+        return run_live(rank_config(cfg), replicas=sc.max_workers, min_replicas=sc.min_workers,
+                        cpus_per_replica=sc.cpus_per_worker)
+    root = job_root(cfg.storage_path, cfg.job_id)
+    result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root),
+                                   cfg.job_id, again=cfg.spec.recovery.max_restarts > 0)
+    metrics = dict(result.metrics or {})
+    # Ray's checkpoint is a pointer (vigil.checkpoint): name the checkpoint folder itself.
+    metrics["checkpoint"] = metrics.get("checkpoint_path") or (
+        result.checkpoint.path if result.checkpoint is not None else None
+    )
+    return metrics
+
+
+def newest_valid_step(root: Path) -> int:
+    """The step of the newest valid checkpoint under ``root`` (-1: none)."""
+    from vigil.checkpoint import choose
+
+    manifest, _ = choose(root if root.exists() else None)
+    return manifest.step if manifest is not None else -1
+
+
+def fit_while_progressing(fit: Callable[[], Any], progress: Callable[[], int], job_id: str = "", *,
+                          again: bool = True) -> Any:
+    """``fit()`` (one Ray Train run, with its own failure budget) until it succeeds; after a failed
+    run, again from the newest valid checkpoint if that moved forward during the run (``progress()``,
+    a step), else re-raise: its restarts made no progress. ``again=False`` (``max_restarts: 0``, no
+    restarts asked for): the first failure is final."""
+    runs = 0
+    while True:
+        start = progress() if again else 0
+        runs += 1
+        try:
+            return fit()
+        except Exception as e:
+            reached = progress() if again else 0
+            if reached <= start:
+                raise
+            log.warning("job %s: Ray Train run %d failed (%s) after progress (checkpoint step %d -> %d): "
+                        "starting a fresh run from step %d", job_id, runs, type(e).__name__, start, reached,
+                        reached)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m vigil``; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = parse_config(argv)
+    except UsageError as e:
+        print(f"vigil trainer: {e}", file=sys.stderr)
+        return 2
+    try:
+        metrics = run(cfg)
+    except Exception as e:  # the driver's job is to turn any failure into a clear exit status
+        log.exception("job %s failed", cfg.job_id)
+        print(f"vigil trainer: job {cfg.job_id} FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"vigil trainer: job {cfg.job_id} SUCCEEDED step={metrics.get('step')} loss={metrics.get('loss')} "
+        f"val_loss={metrics.get('val_loss')} checkpoint={metrics.get('checkpoint')}"
+    )
+    return 0

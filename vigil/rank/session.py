@@ -1,0 +1,291 @@
+"""A rank's session (:class:`Session`): its context, communication layer, telemetry sink, fault hook,
+optimizer, steps and checkpoints, from open to close."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from controller.schemas import FaultSample, JobCreate, OptimizerSpec, StepSample
+from vigil import checkpoint as ckpt_mod
+from vigil.comm import Comm
+from vigil.faults import Fault, FaultHook
+from vigil.optim import build_strategy
+from vigil.rank.context import PreemptionSchedule, RankContext, TrainSummary
+from vigil.rank.step import Optimizer, Step
+from vigil.telemetry import TelemetrySink, finite_or_none
+
+log = logging.getLogger(__name__)
+
+class Session:
+    """One rank of one job: the world, the job, the communication layer, telemetry, faults, checkpoints.
+
+    Made by Vigil's runner before the user's code starts (or by :func:`init` outside a job); closed
+    by it afterwards (:meth:`close` waits for the checkpoint in flight and makes the final report).
+    """
+
+    def __init__(self, ctx: RankContext, spec: JobCreate | None = None, config: Mapping[str, Any] | None = None) -> None:
+        self.ctx = ctx
+        self.spec = spec if spec is not None else JobCreate(name=ctx.job_id)
+        """The job spec (steps, optimizer, checkpoint interval, ...; the GPT example's model and data)."""
+        self.config: dict[str, Any] = dict(config if config is not None else self.spec.config)
+        """The job's ``config``: free JSON for the user's code."""
+        self.live = ctx.live
+        """Live recovery's replica (:mod:`vigil.live`), or None."""
+        self.comm = self.live.comm if self.live is not None else Comm.from_process_group()
+        if self.live is None and (self.comm.rank, self.comm.world_size) != (ctx.rank, ctx.world_size):
+            raise RuntimeError(f"process group is rank {self.comm.rank} of {self.comm.world_size}, "
+                               f"context says {ctx.rank} of {ctx.world_size}")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        """Where this rank's tensors go (its GPU when it has one)."""
+        self.faults = FaultHook(ctx.fault_file)
+        self.summary = TrainSummary()
+        # A live replica checkpoints as a world of one (every replica's state is the same; the
+        # quorum's first replica writes): there is no process group across replicas to coordinate.
+        solo = self.live is not None
+        self.checkpointer = ckpt_mod.Checkpointer(
+            ctx.checkpoint_root, rank=0 if solo else ctx.rank, world_size=1 if solo else ctx.world_size,
+            job_id=ctx.job_id,
+            keep_last=self.spec.checkpoint.keep_last, sink=ctx.telemetry, async_save=ctx.async_checkpoints,
+        )
+        self.attempt = self.live.attempt if self.live is not None else self.checkpointer.claim_attempt()
+        """This start's run attempt (increases at every restart of the ranks); tags every sample."""
+        self.preemption = PreemptionSchedule(ctx.preemption_check_s, 1, ctx.world_size > 1 and not solo,
+                                             self.checkpointer.control_group)
+        self._preempt_handled = False
+        self._step: Step | None = None
+        self._last_step_time = 0.0
+        self._nan_step: int | None = None
+        self._slow = 1.0
+        self._window: list[float] = []
+        self._last: dict[str, Any] = {}
+        self._last_val: float | None = None
+        self._reported_step = 0
+        self._hooks: list[Any] = []
+        self._pid = os.getpid()
+        self.closed = False
+
+    # -- the world ---------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def job_id(self) -> str:
+        return self.ctx.job_id
+
+    @property
+    def node_id(self) -> str:
+        return self.ctx.node_id
+
+    @property
+    def steps(self) -> int:
+        """The job's ``steps``: the last step (a checkpoint is always taken after it)."""
+        return self.spec.steps
+
+    @property
+    def telemetry(self) -> TelemetrySink:
+        return self.ctx.telemetry
+
+    # -- optimizer ---------------------------------------------------------------------------------
+
+    def optimizer(self, model: nn.Module, kind: str | None = None, *, lr: float | None = None,
+                  weight_decay: float | None = None, betas: tuple[float, float] | None = None,
+                  grad_clip: float | None = None, params: Mapping[str, Any] | None = None) -> Optimizer:
+        """See :func:`optimizer`."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"optimizer: model must be a torch.nn.Module, got {type(model).__name__}")
+        base = self.spec.optimizer.model_dump()
+        if kind is not None and kind != base["kind"]:
+            base = {"kind": kind, "params": {}, **{k: base[k] for k in ("lr", "weight_decay", "betas", "grad_clip")}}
+        overrides = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "grad_clip": grad_clip,
+                     "params": dict(params) if params is not None else None}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        spec = OptimizerSpec.model_validate(base)  # a ValidationError names the field and the rule
+        strategy = build_strategy(spec, model, self.comm)
+        def poison(module: nn.Module, args: Any, output: Any) -> Any:
+            # A plain function, not a bound method: deepcopy (a strategy's eval copy of the module)
+            # shares functions instead of copying the session they close over.
+            return self._poison_outputs(module, args, output)
+
+        self._hooks.append(model.register_forward_hook(poison))
+        self.summary.model = model
+        return Optimizer(self, strategy, spec)
+
+    def _poison_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """A ``nan_loss`` fault: this step's outputs (so its loss, gradients and weights) turn NaN."""
+        if self._nan_step is None or self._step is None or self._step.number != self._nan_step or not module.training:
+            return None
+        return tree_map(lambda t: t * float("nan") if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                        output)
+
+    def _fault_hit(self, fault: Fault) -> None:
+        """Tell the controller the step an injected fault hits (its record's ``hit_step``), before acting."""
+        send = getattr(self.ctx.telemetry, "send_fault", None)  # optional in a sink (TelemetrySink)
+        if fault.fault_id is None or send is None:
+            return
+        send(FaultSample(
+            job_id=self.job_id, rank=self.rank, step=fault.step, attempt=self.attempt, ts=time.time(),
+            fault_id=fault.fault_id, fault_kind=fault.kind))
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def step(self, number: int) -> Step:
+        """See :func:`step`."""
+        return Step(self, number)
+
+    def _open_step(self, what: str) -> Step:
+        if self._step is None:
+            raise RuntimeError(f"{what} needs an open step: call it inside `with vigil.step(n):`")
+        return self._step
+
+    def _finish_step(self, s: Step) -> None:
+        now = time.perf_counter()
+        records = self.comm.drain()  # the first step's also holds the start-up ones (step 0: initial broadcasts)
+        # (a live replica's heal is recorded under its first step but ran before it: not this step's time)
+        comm_s = sum(r.duration_s for r in records if r.step == s.number and r.op != "heal")
+        step_time = now - s._t0
+        data_s = s._phases.get("data")
+        optim_total = s._phases.get("optimizer")
+        fwd_bwd = s._phases.get("forward_backward")
+        if fwd_bwd is None:  # not marked: the rest of the step
+            fwd_bwd = max(0.0, step_time - (data_s or 0.0) - (optim_total or 0.0))
+        loss = s.loss
+        if s.number == self._nan_step and loss is not None:
+            loss = math.nan  # the user may have computed it outside the module
+        loss_value = finite_or_none(loss)
+        val = s.metrics.get("val_loss")
+        val_value = finite_or_none(val) if isinstance(val, int | float) else None
+        self.ctx.telemetry.send_step(
+            StepSample(
+                job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=s.number,
+                attempt=self.attempt, ts=time.time(),
+                loss=loss_value, lr=finite_or_none(s.metrics.get("lr")), tokens=min(s.tokens, 2**31 - 1),
+                step_time_s=step_time, tokens_per_s=s.tokens / step_time if step_time > 0 else 0.0,
+                data_s=data_s, fwd_bwd_s=fwd_bwd,
+                optim_s=max(0.0, optim_total - comm_s) if optim_total is not None else None,
+                comm_s=comm_s, val_loss=val_value, pid=self._pid,
+            ),
+            records,
+        )
+        self._last_step_time = step_time
+        summary = self.summary
+        if not summary.losses:
+            summary.start_step = s.number
+        summary.losses[s.number] = loss_value
+        summary.final_step = s.number
+        if val_value is not None:
+            summary.val_losses[s.number] = val_value
+            self._last_val = val_value
+        if loss_value is not None:
+            self._window.append(loss_value)
+        self._last = {"step": s.number, "last_loss": loss_value, "loss_raw": loss,
+                      "tokens_per_s": s.tokens / step_time if step_time > 0 else 0.0, **s.metrics}
+        self.checkpointer.poll()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def restore(self, **state: Any) -> int | None:
+        """See :func:`restore`."""
+        if self._step is not None:
+            raise RuntimeError("restore() inside a step: call it before the first step")
+        if self.live is not None:
+            self.live.register(state)
+            step = self.live.restore(lambda: self.checkpointer.restore(state, hint=self.ctx.restore_dir))
+            self.attempt = self.live.attempt  # a peer's (healed) or a new one (restarted from disk)
+        else:
+            step = self.checkpointer.restore(state, hint=self.ctx.restore_dir)
+        self.preemption.next_step = step + 1
+        self.summary.start_step = step + 1
+        return step if step > 0 else None
+
+    def checkpoint(self, step: int, *, force: bool = False, **state: Any) -> bool:
+        """See :func:`checkpoint`."""
+        if self._step is not None:
+            raise RuntimeError("checkpoint() inside a step: call it after the `with vigil.step(n):` block")
+        interval = self.spec.checkpoint.interval_steps
+        last = step >= self.steps
+        preempt = False
+        if interval > 0 and not last and self.preemption.due(step):
+            self.preemption.checked(step, self._last_step_time)
+            pending = self.ctx.preemption_pending()
+            if pending and not self._preempt_handled:
+                log.warning("rank %d: preemption pending, checkpointing after step %d", self.rank, step)
+                preempt = True
+            self._preempt_handled = pending
+        save = force or (interval > 0 and (step % interval == 0 or last)) or preempt
+        if self.live is not None and not self.live.is_primary():
+            save = False  # the quorum's first replica writes the job's checkpoints
+        started = False
+        if save:
+            loss = self._last.get("loss_raw") if self._last.get("step") == step else None
+            # A preemption checkpoint is waited for: it has to be complete before the drain deadline.
+            started = self.checkpointer.save(step, state, loss, wait=last or preempt)
+            (self.summary.checkpoints if started else self.summary.skipped_checkpoints).append(step)
+        if last or preempt or step % self.ctx.report_interval == 0:
+            self._report(step, final=last or preempt)
+        return started
+
+    def _report(self, step: int, *, final: bool) -> None:
+        """Hand Ray Train the newest complete checkpoint (collective: every rank at the same steps)."""
+        done = self.checkpointer.reportable()
+        if done is None and not final:
+            return
+        last = self._last if self._last.get("step") == step else {}
+        metrics: dict[str, Any] = {
+            "step": step,
+            "loss": sum(self._window) / len(self._window) if self._window else None,
+            "last_loss": last.get("last_loss"),
+            "val_loss": self._last_val,
+            "lr": last.get("lr"),
+            "tokens_per_s": last.get("tokens_per_s"),
+            "world_size": self.world_size,
+            "checkpoint_step": done.step if done is not None else None,
+            "checkpoint_path": str(done.directory) if done is not None else None,
+        }
+        self._window.clear()
+        self._reported_step = step
+        self.ctx.report(metrics, done.directory if done is not None else None)
+
+    # -- end ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """After the user's code returned on every rank: wait for the checkpoint in flight, make the
+        final report if the last step made none, release the process groups."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._hooks:
+            h.remove()
+        try:
+            self.checkpointer.wait()
+            final = self.summary.final_step
+            if final > 0 and self._reported_step != final:
+                self._report(final, final=True)
+        finally:
+            self.checkpointer.close()
+            if self.live is not None:
+                self.live.close()
+
+    def abort(self) -> None:
+        """After a failure on this rank: no collectives, no waiting."""
+        self.closed = True
+        for h in self._hooks:
+            h.remove()
+        self.checkpointer.abort()
+        if self.live is not None:
+            self.live.close()

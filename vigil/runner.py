@@ -1,0 +1,172 @@
+"""Vigil's side of every rank under Ray Train: open the rank's session, run the job's entry point, close.
+
+The job's ``entrypoint`` (:func:`controller.schemas.parse_entrypoint`) is either a function
+``package.module:function``, called with the job's ``config`` (Ray Train's ``train_loop_per_worker``
+style), or a script ``python train.py args...``, run as ``__main__`` with those arguments on every
+rank (torchrun style). Either way the user's code reaches Vigil through :mod:`vigil.sdk`: the
+session is open before it starts, with the rank's telemetry sink (the node agent's socket), fault
+file, checkpoint root, the checkpoint Ray Train hands back and Ray Train's preemption signal.
+The code comes from the job's ``working_dir`` (Ray unpacks it and makes it the working directory
+and an import root of the driver and of every rank), or from what is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import runpy
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from controller.schemas import TRAINING_THREAD, Entrypoint, JobCreate, parse_entrypoint
+from controller.settings import fault_file_path, storage_path_from_env
+from vigil import checkpoint, sdk
+
+log = logging.getLogger(__name__)
+
+
+class EntrypointError(Exception):
+    """The entry point cannot be found or loaded (a bad job, not a training failure)."""
+
+
+def load_function(entry: Entrypoint) -> Callable[..., Any]:
+    """The function of a ``module:function`` entry point; :class:`EntrypointError` saying why not."""
+    assert entry.module is not None and entry.function is not None
+    try:
+        module = importlib.import_module(entry.module)
+    except ImportError as e:
+        raise EntrypointError(f"entrypoint: cannot import {entry.module!r} ({e}); is it in working_dir?") from e
+    fn = getattr(module, entry.function, None)
+    if not callable(fn):
+        raise EntrypointError(f"entrypoint: {entry.module!r} has no function {entry.function!r}")
+    return fn
+
+
+def check_entrypoint(value: str, cwd: Path | None = None) -> Entrypoint:
+    """Parse and look up an entry point where it will run (the driver does this before starting ranks)."""
+    entry = parse_entrypoint(value)
+    if entry.is_script:
+        assert entry.script is not None
+        path = (cwd or Path.cwd()) / entry.script
+        if not path.is_file():
+            raise EntrypointError(f"entrypoint: script {entry.script!r} not found in the working directory {path.parent}")
+    else:
+        load_function(entry)
+    return entry
+
+
+def run_entrypoint(entry: Entrypoint, config: dict[str, Any]) -> None:
+    """Run the user's code on this rank (inside an open session)."""
+    if not entry.is_script:
+        load_function(entry)(config)
+        return
+    assert entry.script is not None
+    script = str(Path(entry.script).resolve())
+    if not Path(script).is_file():
+        raise EntrypointError(f"entrypoint: script {entry.script!r} not found in this rank's working directory "
+                              f"{Path.cwd()}")
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [entry.script, *entry.args]
+    sys.path.insert(0, str(Path(script).parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:  # a script's sys.exit(0) is success; anything else is a failure
+        if e.code not in (None, 0):
+            raise RuntimeError(f"script {entry.script} exited with status {e.code}") from e
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def ray_node_name(node_id: str, nodes: list[dict[str, Any]]) -> str:
+    """The Ray node *name* of ``node_id`` in ``ray.nodes()``'s answer (Vigil's node identity,
+    docs/RECOVERY.md); the node id itself when the node has no name there."""
+    for n in nodes:
+        if n.get("NodeID") == node_id and n.get("NodeName"):
+            return str(n["NodeName"])
+    return node_id
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train entry point of each rank. ``config``: ``{"spec": JobCreate as dict, "job_id": str,
+    "run_dir": agent sockets dir or None, "checkpoint_root": str (the job's checkpoint root),
+    "report_interval": int (optional)}``."""
+    import ray
+    import ray.train
+
+    # Ray Train runs this function in a thread of the worker process, whose main thread idles in Ray's
+    # worker loop: the name lets a py-spy dump of a hung rank be read from the right thread.
+    threading.current_thread().name = TRAINING_THREAD
+    tctx = ray.train.get_context()
+    rank = tctx.get_world_rank()
+
+    def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        # Rank 0 alone hands Ray Train a pointer to the complete checkpoint (module docstring of
+        # vigil.checkpoint); Ray copies that tiny folder, never the data.
+        if checkpoint_dir is None or rank != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory(prefix="vigil-pointer-") as d:
+            checkpoint.write_pointer(Path(d), checkpoint_dir)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+    def preemption_pending() -> bool:
+        return ray.train.get_preemption_info() is not None
+
+    resume = ray.train.get_checkpoint()
+    with resume.as_directory() if resume is not None else nullcontext(None) as restore_dir:
+        run_rank(config, rank, tctx.get_world_size(), report=report, preemption_pending=preemption_pending,
+                 restore_dir=Path(restore_dir) if restore_dir is not None else None)
+
+
+def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.ReportFn | None = None,
+             preemption_pending: Callable[[], bool] | None = None, restore_dir: Path | None = None,
+             live: Any = None) -> sdk.TrainSummary:
+    """One rank of the job under Ray (Ray Train's worker, or a live replica's actor): its context (node,
+    agent socket, fault file, checkpoint root), then the job's entry point in a session."""
+    import ray
+
+    from controller.settings import agent_socket_path, get_settings
+    from vigil.telemetry import RankTelemetry
+
+    spec = JobCreate.model_validate(config["spec"])
+    entry = parse_entrypoint(spec.entrypoint)
+    job_id = str(config["job_id"])
+    ray_node_id = ray.get_runtime_context().get_node_id()
+    try:
+        node = ray_node_name(ray_node_id, ray.nodes())
+    except Exception as e:  # noqa: BLE001 - the node id still identifies the node, only less durably
+        log.warning("rank %d: cannot read Ray's node names (%s); using the node id", rank, e)
+        node = ray_node_id
+    run_dir = Path(config.get("run_dir") or get_settings().run_dir)
+    root = config.get("checkpoint_root")
+    if root is None:
+        root = checkpoint.job_root(storage_path_from_env(), job_id)
+    extra: dict[str, Any] = {}
+    if report is not None:
+        extra["report"] = report
+    if preemption_pending is not None:
+        extra["preemption_pending"] = preemption_pending
+    with RankTelemetry(agent_socket_path(run_dir, node)) as telemetry:
+        ctx = sdk.RankContext(
+            rank=rank,
+            world_size=world_size,
+            job_id=job_id,
+            node_id=node,
+            telemetry=telemetry,
+            checkpoint_root=Path(root),
+            restore_dir=restore_dir,
+            report_interval=int(config.get("report_interval") or sdk.REPORT_INTERVAL_STEPS),
+            fault_file=fault_file_path(run_dir, job_id, rank),
+            live=live,
+            **extra,
+        )
+        summary = sdk.run(lambda cfg: run_entrypoint(entry, cfg), ctx, spec)
+        if telemetry.dropped_total:
+            log.info("rank %d: %d telemetry samples dropped (no agent or agent busy)", ctx.rank, telemetry.dropped_total)
+    log.info("rank %d (node %s) finished at step %d", ctx.rank, node, summary.final_step)
+    return summary
