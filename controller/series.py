@@ -36,6 +36,7 @@ from controller.schemas import (
     JobStepsPublic,
     RankSeries,
     RankStepsPublic,
+    bytes_estimated,
 )
 
 T = TypeVar("T")
@@ -196,7 +197,7 @@ def job_collectives(
         pts = decimate(sorted(by_step.items()), max_points, key=lambda p: p[1][0]["max_s"])
         vals = [p[1][0] for p in pts]
         series.append(CollectiveSeriesPublic(
-            op=op, group=group, tag=tag, step=[p[0] for p in pts], final=[p[1][1] for p in pts],
+            op=op, group=group, tag=tag, estimated=bytes_estimated(tag), step=[p[0] for p in pts], final=[p[1][1] for p in pts],
             **{f: [v[f] for v in vals] for f in _COLL_FIELDS},
         ))
     out = JobCollectivesPublic(job_id=job_id, data=series, count=len(series), raw=None, raw_truncated=False)
@@ -232,6 +233,7 @@ def raw_calls(session: Session, job_id: str, rng: StepRange, *, ops: Sequence[st
     calls = [
         CollectiveCallPublic(
             rank=r.rank, node_id=r.node_id, step=r.step, seq=r.seq, op=r.op, group=r.group, tag=r.tag,
+            estimated=bytes_estimated(r.tag),
             duration_s=r.duration_s, wait_s=max(0.0, r.duration_s - fastest.get((r.step, r.seq), r.duration_s)),
             payload_bytes=r.payload_bytes, wire_bytes=r.wire_bytes, elements=r.elements, ts=r.ts,
         )

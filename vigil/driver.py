@@ -156,6 +156,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.torch.torch_trainer import TorchTrainer
 
+    from vigil.capture import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
     from vigil.runner import train_loop_per_worker
 
     sc = cfg.spec.scaling
@@ -176,7 +177,10 @@ def build_trainer(cfg: DriverConfig) -> Any:
             # Ray keeps pointers only (vigil.checkpoint); Vigil's own retention keeps the data.
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.spec.checkpoint.keep_last),
             # Ranks are single-threaded by design (many ranks share a machine's cores).
-            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+            # The Flight Recorder records every collective of the user's code (vigil.capture): sized
+            # before Ray Train makes the process group.
+            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                             FR_BUFFER_ENV: os.environ.get(FR_BUFFER_ENV, str(FR_BUFFER_DEFAULT))}},
         ),
     )
 

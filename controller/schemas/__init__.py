@@ -86,6 +86,7 @@ from controller.schemas.recovery import (
     StacksPublic,
 )
 from controller.schemas.telemetry import (
+    CAPTURED_TAG,
     CheckpointSample,
     CollectiveCallPublic,
     CollectiveSample,
@@ -105,6 +106,7 @@ from controller.schemas.telemetry import (
     TelemetryAck,
     TelemetryBatch,
     UnixTime,
+    bytes_estimated,
 )
 from controller.schemas.tokens import (
     Role,
@@ -126,6 +128,7 @@ from controller.schemas.views import (
 )
 
 __all__ = [
+    "CAPTURED_TAG",
     "DEFAULT_ENTRYPOINT",
     "ENTRYPOINT_MAX",
     "HOST_MAX_DEPTH",
@@ -223,6 +226,7 @@ __all__ = [
     "TokensPublic",
     "UnixTime",
     "WhoAmI",
+    "bytes_estimated",
     "parse_entrypoint",
     "slugify",
 ]

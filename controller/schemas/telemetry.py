@@ -34,6 +34,16 @@ UnixTime = Annotated[float, Field(ge=0.0, le=TS_MAX, allow_inf_nan=False)]
 """Seconds since the epoch, within what a datetime (and the database) can hold."""
 JobRef = Annotated[Line, Field(min_length=1, max_length=64)]
 
+CAPTURED_TAG = "torch"
+"""The ``tag`` of a collective that torch.distributed ran on its own (DDP, FSDP, DTensor, the user's calls),
+read from its Flight Recorder (:mod:`vigil.capture`): its bytes are estimated from the op and sizes, not
+counted by Vigil's communication layer."""
+
+
+def bytes_estimated(tag: str) -> bool:
+    """Whether a collective's bytes are an estimate (captured from torch) rather than counted by Vigil."""
+    return tag == CAPTURED_TAG
+
 
 class StepSample(_Strict):
     """One optimizer step of one rank, as the rank reports it."""
@@ -226,6 +236,9 @@ class CollectiveSeriesPublic(BaseModel):
     op: str
     group: str
     tag: str
+    estimated: bool = Field(False, description=(
+        "Bytes estimated from the op and sizes (a collective torch ran on its own, captured from its Flight "
+        "Recorder: tag 'torch'), not counted by Vigil's communication layer."))
     step: list[int]
     ts: list[float]
     final: list[bool]
@@ -254,6 +267,7 @@ class CollectiveCallPublic(BaseModel):
     op: str
     group: str
     tag: str
+    estimated: bool = Field(False, description="Bytes estimated (see CollectiveSeriesPublic.estimated).")
     duration_s: float
     wait_s: float = Field(..., description="duration_s minus the fastest rank's duration of the same call.")
     payload_bytes: int

@@ -136,6 +136,12 @@ class Checkpointer:
                     number += 1
         return int(self._broadcast_object(number))
 
+    def group_names(self) -> set[str]:
+        """Names of the process groups this checkpointer made (its collectives are Vigil's, not the user's)."""
+        if not self._distributed:
+            return set()
+        return {str(g.group_name) for g in (self._group, self._ctl)}
+
     @property
     def control_group(self) -> Any:
         """A gloo group of every rank for small main-thread agreements (None when not distributed)."""

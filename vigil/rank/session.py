@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from controller.schemas import FaultSample, JobCreate, OptimizerSpec, StepSample
 from vigil import checkpoint as ckpt_mod
-from vigil.comm import Comm
+from vigil.capture import CollectiveCapture, Window, assign, busy_seconds, fr_available
+from vigil.comm import CollectiveRecord, Comm
 from vigil.faults import Fault, FaultHook
 from vigil.optim import build_strategy
 from vigil.rank.context import PreemptionSchedule, RankContext, TrainSummary
@@ -73,6 +75,17 @@ class Session:
         self._hooks: list[Any] = []
         self._pid = os.getpid()
         self.closed = False
+        # Collectives torch runs on its own (the user's DDP, FSDP, DTensor, dist calls), from its Flight
+        # Recorder (vigil.capture); off once the code steps one of Vigil's optimizers (its layer counts
+        # exactly). Step samples wait for the read that finds their collectives (about a second).
+        self.capture: CollectiveCapture | None = None
+        if fr_available() and self.live is None:
+            self.capture = CollectiveCapture(self.world_size, exclude=self.checkpointer.group_names())
+        self._held: list[tuple[StepSample, list[CollectiveRecord], Window]] = []
+        self._shipped_step = 0
+        self._vigil_optimizer = False
+        self._hooks.append(register_optimizer_step_pre_hook(self._torch_optimizer_pre))
+        self._hooks.append(register_optimizer_step_post_hook(self._torch_optimizer_post))
 
     # -- the world ---------------------------------------------------------------------------------
 
@@ -116,6 +129,9 @@ class Session:
                      "params": dict(params) if params is not None else None}
         base.update({k: v for k, v in overrides.items() if v is not None})
         spec = OptimizerSpec.model_validate(base)  # a ValidationError names the field and the rule
+        self._vigil_optimizer = True
+        self.capture = None  # Vigil's layer counts this code's collectives exactly
+        self._ship_held(force=True)
         strategy = build_strategy(spec, model, self.comm)
         def poison(module: nn.Module, args: Any, output: Any) -> Any:
             # A plain function, not a bound method: deepcopy (a strategy's eval copy of the module)
@@ -132,6 +148,24 @@ class Session:
             return None
         return tree_map(lambda t: t * float("nan") if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                         output)
+
+    def _torch_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """A torch optimizer's step (the user's own, not one of Vigil's) inside an open step: the end of
+        compute (an unmarked step's ``slow_rank`` acts here) and the start of the optimizer phase."""
+        s = self._step
+        if s is None or self._vigil_optimizer:
+            return
+        s._before_optimizer()
+        if s._optimizer_ns is None:
+            s._optimizer_ns = time.time_ns()
+        s._optimizer_t = time.perf_counter()
+
+    def _torch_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        s = self._step
+        if s is None or self._vigil_optimizer or s._optimizer_t is None:
+            return
+        s._add("optimizer", time.perf_counter() - s._optimizer_t)
+        s._optimizer_t = None
 
     def _fault_hit(self, fault: Fault) -> None:
         """Tell the controller the step an injected fault hits (its record's ``hit_step``), before acting."""
@@ -170,8 +204,7 @@ class Session:
         loss_value = finite_or_none(loss)
         val = s.metrics.get("val_loss")
         val_value = finite_or_none(val) if isinstance(val, int | float) else None
-        self.ctx.telemetry.send_step(
-            StepSample(
+        sample = StepSample(
                 job_id=self.job_id, rank=self.rank, world_size=self.world_size, step=s.number,
                 attempt=self.attempt, ts=time.time(),
                 loss=loss_value, lr=finite_or_none(s.metrics.get("lr")), tokens=min(s.tokens, 2**31 - 1),
@@ -179,9 +212,12 @@ class Session:
                 data_s=data_s, fwd_bwd_s=fwd_bwd,
                 optim_s=max(0.0, optim_total - comm_s) if optim_total is not None else None,
                 comm_s=comm_s, val_loss=val_value, pid=self._pid,
-            ),
-            records,
         )
+        if self.capture is None:
+            self.ctx.telemetry.send_step(sample, records)
+        else:
+            self._held.append((sample, records, Window(s.number, s._start_ns, s._optimizer_ns, time.time_ns())))
+            self._ship_held()
         self._last_step_time = step_time
         summary = self.summary
         if not summary.losses:
@@ -196,6 +232,30 @@ class Session:
         self._last = {"step": s.number, "last_loss": loss_value, "loss_raw": loss,
                       "tokens_per_s": s.tokens / step_time if step_time > 0 else 0.0, **s.metrics}
         self.checkpointer.poll()
+
+    def _ship_held(self, *, force: bool = False) -> None:
+        """Send the held step samples with the collectives the Flight Recorder holds for them (when a read
+        is due, or ``force``); a step's communication time is the span its captured calls cover."""
+        cap = self.capture
+        if not self._held or (cap is not None and not force and not cap.due()):
+            return
+        held, self._held = self._held, []
+        captured: dict[int, list[CollectiveRecord]] = {}
+        if cap is not None:
+            found = cap.read()
+            recs, later = assign(found, [w for _, _, w in held], before_first=self._shipped_step)
+            cap.hold(later)
+            for r in recs:
+                captured.setdefault(r.step, []).append(r)
+        for i, (sample, records, w) in enumerate(held):
+            mine = captured.pop(w.step, [])
+            if i == 0:  # calls of steps already sent (start-up, between steps) ride with the first
+                mine += [r for recs_ in captured.values() for r in recs_ if r.step < w.step]
+            if mine:
+                own = busy_seconds(r for r in mine if r.step == w.step)
+                sample = sample.model_copy(update={"comm_s": (sample.comm_s or 0.0) + own})
+            self.ctx.telemetry.send_step(sample, [*records, *mine])
+            self._shipped_step = w.step
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -272,6 +332,7 @@ class Session:
         for h in self._hooks:
             h.remove()
         try:
+            self._ship_held(force=True)
             self.checkpointer.wait()
             final = self.summary.final_step
             if final > 0 and self._reported_step != final:

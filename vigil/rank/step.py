@@ -96,6 +96,10 @@ class Step:
         self._phases: dict[str, float] = {}
         self._open_phase: str | None = None
         self._t0 = time.perf_counter()
+        self._start_ns = time.time_ns()
+        self._optimizer_ns: int | None = None
+        """Wall clock of the first torch optimizer step in this step (its collectives were done by then)."""
+        self._optimizer_t: float | None = None
         self._slowed = False
         self.fault: str | None = None
 
@@ -173,6 +177,7 @@ class Step:
             elif fault.kind == SLOW_RANK:
                 s._slow = fault.factor
         self._t0 = time.perf_counter()
+        self._start_ns = time.time_ns()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:

@@ -1,0 +1,152 @@
+"""Collectives of code that never calls Vigil's optimizer, read from torch's Flight Recorder (vigil.capture).
+
+Pure tests of the entry, byte and window rules on recorder dumps written out by hand; then 2 gloo ranks
+(``run_ranks``: 127.0.0.1, free port, under a timeout, ``TORCH_FR_BUFFER_SIZE`` set before the group)
+run a plain DDP loop with torch's own optimizer and Vigil's ``init/step/report/checkpoint`` only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from controller.schemas import CAPTURED_TAG, JobCreate
+from tests.vigil.optim.harness import run_ranks
+from tests.vigil.test_sdk import Sink
+from vigil import sdk as vigil
+from vigil.capture import (
+    FR_BUFFER_ENV,
+    SEQ_BASE,
+    CollectiveCapture,
+    Window,
+    assign,
+    busy_seconds,
+    entries,
+    estimate_bytes,
+    group_label,
+    op_name,
+)
+
+
+def _entry(record_id: int, seq: int, created_ns: int, *, op: str = "gloo:all_reduce", pg: tuple[str, str] = ("0", "default_pg"),
+           retired: bool = True, sizes: list[list[int]] | None = None) -> dict[str, Any]:
+    return {"record_id": record_id, "pg_id": int(pg[0]), "process_group": pg, "collective_seq_id": seq,
+            "p2p_seq_id": 0, "profiling_name": op, "time_created_ns": created_ns,
+            "input_sizes": sizes if sizes is not None else [[1000]], "input_dtypes": ["Float"],
+            "state": "scheduled", "retired": retired, "is_p2p": False}
+
+
+def test_names_and_bytes_follow_the_op_and_the_ring() -> None:
+    assert op_name("gloo:all_reduce") == "all_reduce" and op_name("nccl:_allgather_base") == "all_gather"
+    assert op_name("nccl:_reduce_scatter_base") == "reduce_scatter" and op_name("gloo:barrier") == "barrier"
+    assert group_label(("0", "default_pg")) == "world" and group_label(("3", "undefined")) == "pg3"
+    assert group_label(("2", "mesh_dp")) == "mesh_dp"
+    assert estimate_bytes("all_reduce", ["Float"], [[1000]], 4) == (4000, 6000, 1000)
+    assert estimate_bytes("all_gather", ["BFloat16"], [[10, 10]], 4) == (200, 600, 100)
+    assert estimate_bytes("reduce_scatter", ["Float"], [[400]], 4) == (1600, 1200, 400)
+    assert estimate_bytes("broadcast", ["Long"], [[3]], 2) == (24, 24, 3)
+    assert estimate_bytes("all_reduce", ["Float"], [[1000]], 1)[1] == 0  # a group of one sends nothing
+    assert estimate_bytes("barrier", [], [], 4) == (0, 0, 0)
+
+
+def test_entries_land_in_their_step_and_end_where_the_rank_had_to_have_them() -> None:
+    s = 1_000_000_000
+    dump = {"entries": [
+        _entry(0, 1, 1 * s),                      # start-up (DDP's broadcast), before the first step
+        _entry(1, 2, 10 * s),                     # step 1, before its optimizer step: ends there
+        _entry(2, 3, 12 * s + 5),                 # step 1, after the optimizer step: ends with the step
+        _entry(3, 1, 21 * s, pg=("1", "undefined")),  # step 2, another group
+        _entry(4, 4, 30 * s, retired=False),      # step 3, still in flight: held for the next read
+        _entry(5, 5, 40 * s),                     # after the last step: held
+    ]}
+    found = entries(dump, {"0": 2, "1": 2}, 2)
+    windows = [Window(1, 9 * s, 11 * s, 13 * s), Window(2, 20 * s, None, 22 * s), Window(3, 29 * s, None, 31 * s)]
+    records, later = assign(found, windows, before_first=0)
+    by_seq = {r.seq: r for r in records}
+    assert [r.step for r in records] == [0, 1, 1, 2]
+    assert by_seq[SEQ_BASE + 1].duration_s == pytest.approx(8.0)     # until the first step began
+    assert by_seq[SEQ_BASE + 2].duration_s == pytest.approx(1.0)     # until the optimizer step
+    assert by_seq[SEQ_BASE + 3].duration_s == pytest.approx(1.0, abs=1e-6)  # until the step's end
+    assert by_seq[SEQ_BASE + (1 << 20) + 1].group == "pg1"           # seq keeps groups apart
+    assert all(r.tag == CAPTURED_TAG and r.wire_bytes == 4000 for r in records)
+    assert [e.record_id for e in later] == [4, 5]
+    assert busy_seconds(r for r in records if r.step == 1) == pytest.approx(2.0, abs=1e-6)
+
+
+def test_a_read_refreshes_what_it_held_and_skips_vigils_own_groups() -> None:
+    s = 1_000_000_000
+    dumps = [
+        {"entries": [_entry(0, 1, 1 * s, retired=False), _entry(1, 1, 1 * s, pg=("7", "undefined"))]},
+        {"entries": [_entry(0, 1, 1 * s), _entry(1, 1, 1 * s, pg=("7", "undefined")), _entry(2, 2, 2 * s)]},
+    ]
+    cap = CollectiveCapture(2, exclude={"7"}, dump=lambda: dumps.pop(0))
+    first = cap.read()
+    assert [(e.record_id, e.done) for e in first] == [(0, False)]
+    cap.hold(first)
+    second = cap.read()
+    assert [(e.record_id, e.done) for e in second] == [(0, True), (2, True)]
+    assert cap.reads == 2
+
+
+# -- two real ranks ------------------------------------------------------------------------------------
+
+
+def _plain_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A user's plain DDP loop: torch's DDP and AdamW, a dist.all_reduce of its own on a group of its own,
+    and Vigil's init / step / report / checkpoint only."""
+    sink = Sink()
+    ctx = vigil.RankContext(rank=rank, world_size=world_size, job_id="job-capture", telemetry=sink,
+                            checkpoint_root=Path(root))
+    spec = JobCreate.model_validate({"name": "cap", "steps": 5, "checkpoint": {"interval_steps": 5}})
+
+    def train(config: dict[str, Any]) -> None:
+        vigil.init()
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mine = dist.new_group([0, 1])
+        x = torch.randn(32, 16)
+        for step in range(1, 6):
+            with vigil.step(step):
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                total = loss.detach().clone()
+                dist.all_reduce(total, group=mine)
+                vigil.report(loss=float(total) / world_size, tokens=32)
+            vigil.checkpoint(step, model=model, optimizer=opt)
+
+    vigil.run(train, ctx, spec)
+    return {
+        "steps": [(s.step, s.comm_s) for s in sink.steps],
+        "records": [(r.step, r.seq, r.op, r.group, r.tag, r.payload_bytes, r.wire_bytes, r.duration_s)
+                    for recs in sink.records for r in recs],
+    }
+
+
+def test_plain_ddp_collectives_are_captured_per_step_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FR_BUFFER_ENV, "500")
+    out = run_ranks(2, _plain_ddp, str(tmp_path / "ckpt"), timeout=120)
+    params = 16 * 32 + 32 + 32 + 1
+    for rank_out in out:
+        assert [s for s, _ in rank_out["steps"]] == [1, 2, 3, 4, 5]
+        assert all(c is not None and c > 0 for _, c in rank_out["steps"])
+        recs = rank_out["records"]
+        assert recs and all(r[4] == CAPTURED_TAG for r in recs)
+        for step in range(1, 6):
+            ops = {(op, group) for s, _, op, group, *_ in recs if s == step}
+            # DDP's gradient bucket on the world, and the user's own all-reduce on its own group
+            assert ("all_reduce", "world") in ops and any(op == "all_reduce" and g.startswith("pg") for op, g in ops)
+        grads = [r for r in recs if r[0] >= 1 and r[3] == "world" and r[2] == "all_reduce"]
+        assert all(p == params * 4 and w == params * 4 for *_, p, w, _d in grads)  # 2 (n-1)/n = 1 for n = 2
+        assert any(s == 0 and op == "broadcast" for s, _, op, *_ in recs)  # DDP's start-up broadcast
+        assert all(d >= 0 for *_, d in recs)
+    # The same call has the same seq on both ranks (the controller lines them up for the wait).
+    keys = [{(s, q, op, g) for s, q, op, g, *_ in o["records"]} for o in out]
+    assert keys[0] == keys[1]

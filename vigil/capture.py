@@ -1,0 +1,301 @@
+"""Collectives of any code, read from torch.distributed's own Flight Recorder.
+
+Vigil's communication layer (:mod:`vigil.comm`) times and counts the collectives of Vigil's optimizers.
+Everything else (DDP's gradient buckets, FSDP2's all-gathers and reduce-scatters, DTensor, a user's own
+``dist.all_reduce`` on any group) is issued by torch itself, so Vigil reads what torch records: the
+Flight Recorder (``TORCH_FR_BUFFER_SIZE`` entries per process, :data:`FR_BUFFER_ENV`), which torch 2.13
+fills for gloo as well as for NCCL. Nothing of ``torch.distributed`` is wrapped or patched.
+
+What an entry gives (both backends): the process group, the op, dtypes and sizes, the group's collective
+sequence number, the time it was enqueued (wall clock, ns) and whether it completed. NCCL adds its own
+timing (CUDA events, with ``TORCH_NCCL_ENABLE_TIMING=1``): its ``duration_ms`` is the record's duration.
+gloo records no start or end, and no point-to-point ops or reduce-scatters (seen on torch 2.13): a gloo
+collective's duration here runs from its enqueue to the first point of the step where the rank had to
+have it done (the optimizer's step, which DDP and FSDP wait for before it runs, else the step's end).
+That bounds the time in flight from above; the *wait* the controller derives from it (a rank's duration
+minus the fastest rank's, :mod:`controller.aggregation`) is the arrival skew, exact up to the clocks,
+because every rank leaves a collective at about the same moment.
+
+Bytes: the op and sizes give the payload; wire bytes follow the ring algorithm (as :mod:`vigil.comm`);
+these records carry :data:`controller.schemas.CAPTURED_TAG`, so the API and the dashboard mark their
+bytes as estimated.
+
+Cost: a dump of the recorder costs about 10 us per entry it holds, so it is read about once a second
+(:data:`READ_INTERVAL_S`), not once a step, and the buffer is sized to hold what a second issues.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.schemas import CAPTURED_TAG
+from vigil.comm import CollectiveRecord
+
+log = logging.getLogger(__name__)
+
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""torch's Flight Recorder size (entries per process); must be set before the first process group."""
+FR_BUFFER_DEFAULT = 1000
+"""What Vigil sets for its ranks unless the environment has it: a second of a busy job's collectives, and
+a dump of a full buffer still about 10 ms."""
+READ_INTERVAL_S = 1.0
+"""Seconds between two reads of the recorder (each read costs ~10 us per entry the buffer holds)."""
+SEQ_BASE = 1 << 30
+"""Captured records' ``seq`` (unique within a step, the same call on every rank): ``SEQ_BASE + (pg id << 20
+| the group's collective sequence number mod 2**20)``, apart from Vigil's own layer's small numbers."""
+
+_OPS = {
+    "allreduce": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "allgather": "all_gather", "all_gather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor": "all_gather",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all", "all_to_all": "all_to_all",
+    "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "barrier": "barrier", "send": "send", "recv": "recv",
+}
+_DTYPE_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1, "Byte": 1,
+    "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
+}
+
+
+def fr_available() -> bool:
+    """Whether this process's Flight Recorder records (its size set, and torch has the dump)."""
+    try:
+        size = int(os.environ.get(FR_BUFFER_ENV, "0") or 0)
+    except ValueError:
+        return False
+    if size <= 0:
+        return False
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:
+        return False
+    return hasattr(c10d, "_dump_fr_trace")
+
+
+def dump_fr() -> dict[str, Any]:
+    """The recorder's content (entries without stack traces, and each group's last enqueued / completed)."""
+    import torch._C._distributed_c10d as c10d
+
+    return pickle.loads(c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+
+
+def op_name(profiling_name: str) -> str:
+    """``gloo:all_reduce`` / ``nccl:_allgather_base`` -> Vigil's op name (``all_reduce``, ``all_gather``)."""
+    name = profiling_name.split(":", 1)[-1]
+    return _OPS.get(name, name[:64] or "unknown")
+
+
+def group_label(process_group: Sequence[str]) -> str:
+    """The group's description as torch names it (``default_pg`` is ``world``), else ``pg<name>``."""
+    name, desc = (list(process_group) + ["", ""])[:2]
+    if desc == "default_pg":
+        return "world"
+    if desc and desc != "undefined":
+        return desc[:64]
+    return f"pg{name}"[:64]
+
+
+def _numel(sizes: Iterable[Sequence[int]]) -> int:
+    total = 0
+    for shape in sizes:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+def estimate_bytes(op: str, dtypes: Sequence[str], in_sizes: Sequence[Sequence[int]], n: int) -> tuple[int, int, int]:
+    """``(payload, wire, elements)`` of one call, as :mod:`vigil.comm` counts them, from the op and sizes:
+    the ring algorithm's wire bytes for a group of ``n`` (estimated: the backend may choose another)."""
+    elements = _numel(in_sizes)
+    payload = elements * _DTYPE_BYTES.get(dtypes[0] if dtypes else "Float", 4)
+    if n <= 1 or op == "barrier":
+        return payload, 0, elements
+    if op == "all_reduce":
+        wire = 2 * (n - 1) / n * payload
+    elif op == "all_gather":
+        wire = (n - 1) * payload
+    elif op in ("reduce_scatter", "all_to_all"):
+        wire = (n - 1) / n * payload
+    else:  # broadcast, reduce, gather, scatter, send, recv: the payload once
+        wire = payload
+    return payload, int(wire), elements
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One collective of the recorder, as Vigil uses it."""
+
+    record_id: int
+    pg_name: str
+    group: str
+    seq: int
+    op: str
+    payload_bytes: int
+    wire_bytes: int
+    elements: int
+    created_ns: int
+    done: bool
+    duration_s: float | None
+    """Measured by the backend (NCCL's CUDA events); None for gloo."""
+
+    @property
+    def key(self) -> int:
+        """The record's ``seq``: :data:`SEQ_BASE` + (pg id << 20 | sequence number mod 2**20)."""
+        pg = int(self.pg_name) if self.pg_name.isdigit() else 0
+        return SEQ_BASE + ((pg & 0x3FF) << 20 | (self.seq & 0xFFFFF))
+
+
+def entries(dump: dict[str, Any], group_sizes: dict[str, int], default_size: int) -> list[Entry]:
+    """The dump's collectives as :class:`Entry`, oldest first."""
+    out = []
+    for e in dump.get("entries", ()):
+        pg = e.get("process_group") or ("", "")
+        op = op_name(str(e.get("profiling_name", "")))
+        payload, wire, elements = estimate_bytes(op, e.get("input_dtypes") or (), e.get("input_sizes") or (),
+                                                 group_sizes.get(str(pg[0]), default_size))
+        ms = e.get("duration_ms")
+        out.append(Entry(
+            record_id=int(e.get("record_id", 0)), pg_name=str(pg[0]), group=group_label(pg),
+            seq=int(e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id", 0)), op=op,
+            payload_bytes=payload, wire_bytes=wire, elements=elements, created_ns=int(e.get("time_created_ns", 0)),
+            done=bool(e.get("retired")) or e.get("state") == "completed",
+            duration_s=float(ms) / 1e3 if ms is not None else None,
+        ))
+    out.sort(key=lambda x: x.record_id)
+    return out
+
+
+@dataclass
+class Window:
+    """A step's span on this rank, wall clock (ns): start, the optimizer's step (None: not seen), end."""
+
+    step: int
+    start_ns: int
+    optimizer_ns: int | None
+    end_ns: int
+
+
+def assign(found: Sequence[Entry], windows: Sequence[Window], *, before_first: int = 0) -> tuple[list[CollectiveRecord], list[Entry]]:
+    """Records for the entries that fall in ``windows`` (contiguous: a step spans its start to the next
+    one's), and the entries left for later (after the last window's end, or not done yet).
+
+    An entry enqueued before the first window is step ``before_first`` (a job's start-up: DDP's initial
+    broadcasts), ending at that window's start.
+    """
+    records: list[CollectiveRecord] = []
+    later: list[Entry] = []
+    for e in found:
+        if not windows or e.created_ns >= windows[-1].end_ns or not e.done:
+            later.append(e)
+            continue
+        if e.created_ns < windows[0].start_ns:
+            step, end_ns = before_first, windows[0].start_ns
+        else:
+            i = next(i for i in range(len(windows) - 1, -1, -1) if windows[i].start_ns <= e.created_ns)
+            w = windows[i]
+            step = w.step
+            if w.optimizer_ns is not None and e.created_ns < w.optimizer_ns:
+                end_ns = w.optimizer_ns
+            elif e.created_ns < w.end_ns:
+                end_ns = w.end_ns
+            else:  # between this step's end and the next one's start
+                end_ns = windows[i + 1].start_ns if i + 1 < len(windows) else w.end_ns
+        duration = e.duration_s if e.duration_s is not None else max(0.0, (end_ns - e.created_ns) / 1e9)
+        records.append(CollectiveRecord(step, e.key, e.op, e.group, CAPTURED_TAG, e.payload_bytes, e.wire_bytes,
+                                        e.elements, duration, e.created_ns / 1e9 + duration))
+    return records, later
+
+
+def busy_seconds(records: Iterable[CollectiveRecord]) -> float:
+    """Seconds of the union of the records' spans (overlapping calls counted once)."""
+    spans = sorted((r.ts - r.duration_s, r.ts) for r in records)
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start  # type: ignore[operator]
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start  # type: ignore[operator]
+    return total
+
+
+def _group_sizes() -> dict[str, int]:
+    """Size of every process group by its name (torch names groups "0", "1", ... as it makes them)."""
+    import torch.distributed as dist
+
+    try:
+        return {str(name): int(pg.size()) for pg, name in dist.distributed_c10d._world.pg_names.items()}
+    except Exception:  # noqa: BLE001 - sizes only refine the wire estimate; the world size stands in
+        return {}
+
+
+@dataclass
+class CollectiveCapture:
+    """Reads this rank's Flight Recorder about once a second and turns new entries into records.
+
+    ``exclude``: names of process groups whose collectives are Vigil's own (checkpoint agreement).
+    """
+
+    world_size: int
+    exclude: set[str] = field(default_factory=set)
+    interval_s: float = READ_INTERVAL_S
+    dump: Callable[[], dict[str, Any]] = dump_fr
+    clock: Callable[[], float] = time.monotonic
+    _last_id: int = -1
+    _held: list[Entry] = field(default_factory=list)
+    _last_read: float = field(default=-1e18)
+    _status: dict[str, Any] = field(default_factory=dict)
+    reads: int = 0
+    read_s: float = 0.0
+    """Reads made and the seconds they took (the capture's own cost)."""
+
+    def due(self) -> bool:
+        return self.clock() - self._last_read >= self.interval_s
+
+    def read(self) -> list[Entry]:
+        """New entries since the last read (and those held back then), oldest first."""
+        t = time.perf_counter()
+        self._last_read = self.clock()
+        try:
+            raw = self.dump()
+        except Exception as e:  # noqa: BLE001 - capture degrades, training goes on
+            log.warning("flight recorder unreadable (%s): collectives not captured this time", e)
+            return []
+        self._status = dict(raw.get("pg_status") or {})
+        now = {e.record_id: e for e in entries(raw, _group_sizes(), self.world_size) if e.pg_name not in self.exclude}
+        # A held entry seen again: its newer state; one gone from the ring since (a full second and a
+        # buffer of newer ones later): done.
+        out = {h.record_id: now.get(h.record_id) or Entry(**{**h.__dict__, "done": True}) for h in self._held}
+        out.update({i: e for i, e in now.items() if i > self._last_id})
+        if now:
+            self._last_id = max(self._last_id, max(now))
+        self._held = []
+        found = sorted(out.values(), key=lambda e: e.record_id)
+        self.reads += 1
+        self.read_s += time.perf_counter() - t
+        return found
+
+    def hold(self, later: Iterable[Entry]) -> None:
+        """Keep entries for the next read (not done yet, or after the last finished step)."""
+        self._held = list(later)
+
+    def pending_ids(self) -> set[int]:
+        return {e.record_id for e in self._held if not e.done}
+
+    def status(self) -> dict[str, Any]:
+        """Per process group (by name) the last enqueued and last completed sequence numbers, as of the last read."""
+        return dict(self._status)
