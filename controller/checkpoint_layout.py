@@ -3,7 +3,7 @@ the manifest's file name. Part of the contract: the trainer writes this layout, 
 the newest checkpoint on request) and the recovery bench find checkpoints by it.
 
 ``<storage>/<slug(job id)>/checkpoints/step-00000120`` holds the checkpoint taken after step 120; it
-is complete once its :data:`MANIFEST_FILE` exists (:mod:`vigil.checkpoint.format` says what the
+is complete once its :data:`MANIFEST_FILE` exists (:mod:`vigil.checkpointing.format` says what the
 manifest holds and how a folder is verified). Standard library and the schemas only.
 """
 
@@ -26,7 +26,7 @@ ATTEMPTS_DIR = "attempts"
 def attempts_dir(root: Path) -> Path:
     """Where a job's run attempts are claimed: ``<checkpoint root>/attempts``. Every start of the ranks
     (the first, and each restart) makes the next numbered folder there, so the attempt numbers of one
-    job increase on its shared storage across every restart and node (vigil.checkpoint)."""
+    job increase on its shared storage across every restart and node (vigil.checkpointing)."""
     return Path(root) / ATTEMPTS_DIR
 
 

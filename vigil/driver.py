@@ -9,7 +9,7 @@ Ray 2.60, is picked up by ``ray.init`` itself). Inputs, in order of precedence:
 - env ``VIGIL_RUN_DIR``: node-local folder of the agents' sockets (default from settings);
 - env ``VIGIL_STORAGE_PATH``: where checkpoints live (default ``~/.vigil-storage``): Vigil's
   checkpoint root of the job, ``<storage>/<slug(job id)>/checkpoints`` (see
-  :mod:`vigil.checkpoint`), and Ray Train's run folder ``<storage>/vigil-<slug(job id)>``, which
+  :mod:`vigil.checkpointing`), and Ray Train's run folder ``<storage>/vigil-<slug(job id)>``, which
   holds pointers to them. Multi-node runs need a path every node sees; on one machine any local
   path is shared.
 
@@ -132,7 +132,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
 
 def rank_config(cfg: DriverConfig) -> dict[str, Any]:
     """What every rank is handed (:func:`vigil.runner.run_rank`)."""
-    from vigil.checkpoint import job_root
+    from vigil.checkpointing import job_root
 
     return {
         "spec": cfg.spec.model_dump(mode="json"),
@@ -174,7 +174,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
             name=f"vigil-{slugify(cfg.job_id)}",  # a path under storage_path: never raw input
             storage_path=cfg.storage_path,
             failure_config=FailureConfig(max_failures=cfg.spec.recovery.max_restarts),
-            # Ray keeps pointers only (vigil.checkpoint); Vigil's own retention keeps the data.
+            # Ray keeps pointers only (vigil.checkpointing); Vigil's own retention keeps the data.
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.spec.checkpoint.keep_last),
             # Ranks are single-threaded by design (many ranks share a machine's cores).
             # The Flight Recorder records every collective of the user's code (vigil.capture): sized
@@ -196,7 +196,7 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
         "job %s: %s on %s-%s workers, %d steps, storage %s", cfg.job_id, cfg.spec.optimizer.kind,
         cfg.spec.scaling.min_workers, cfg.spec.scaling.max_workers, cfg.spec.steps, cfg.storage_path,
     )
-    from vigil.checkpoint import job_root
+    from vigil.checkpointing import job_root
 
     if cfg.spec.recovery.policy == RecoveryPolicy.LIVE:
         from vigil.live_driver import run_live
@@ -208,7 +208,7 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
     result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root),
                                    cfg.job_id, again=cfg.spec.recovery.max_restarts > 0)
     metrics = dict(result.metrics or {})
-    # Ray's checkpoint is a pointer (vigil.checkpoint): name the checkpoint folder itself.
+    # Ray's checkpoint is a pointer (vigil.checkpointing): name the checkpoint folder itself.
     metrics["checkpoint"] = metrics.get("checkpoint_path") or (
         result.checkpoint.path if result.checkpoint is not None else None
     )
@@ -217,7 +217,7 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
 
 def newest_valid_step(root: Path) -> int:
     """The step of the newest valid checkpoint under ``root`` (-1: none)."""
-    from vigil.checkpoint import choose
+    from vigil.checkpointing import choose
 
     manifest, _ = choose(root if root.exists() else None)
     return manifest.step if manifest is not None else -1

@@ -102,7 +102,7 @@ def run_live(config: dict[str, Any], *, replicas: int, min_replicas: int, cpus_p
     """Run the job's ranks as live replicas until every one has reached the last step; rank 0's result."""
     import ray
 
-    from vigil.checkpoint import Checkpointer
+    from vigil.checkpointing import Checkpointer
     from vigil.live import start_lighthouse
 
     # One run attempt for every replica (telemetry's exactly-once key): replacements run new steps only.

@@ -25,7 +25,8 @@ from typing import Any
 
 from controller.schemas import TRAINING_THREAD, Entrypoint, JobCreate, parse_entrypoint
 from controller.settings import fault_file_path, storage_path_from_env
-from vigil import checkpoint, sdk
+from vigil import checkpointing as checkpoint
+from vigil import sdk
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         # Rank 0 alone hands Ray Train a pointer to the complete checkpoint (module docstring of
-        # vigil.checkpoint); Ray copies that tiny folder, never the data.
+        # vigil.checkpointing); Ray copies that tiny folder, never the data.
         if checkpoint_dir is None or rank != 0:
             ray.train.report(metrics)
             return

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from controller.schemas import CheckpointSample, JobCreate
-from vigil import checkpoint
-from vigil.checkpoint import Checkpointer, InvalidCheckpoint, state_of
+from vigil import checkpointing as checkpoint
+from vigil.checkpointing import Checkpointer, InvalidCheckpoint, state_of
 from vigil.comm import Comm
 from vigil.data import BatchSampler
 from vigil.model import build_model

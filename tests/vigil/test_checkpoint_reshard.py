@@ -4,7 +4,7 @@ restore on another one (4 -> 2 after an eviction, 2 -> 3 when a node comes back)
 Needs torch with gloo; three multi-process runs through ``harness.run_ranks`` (4, 2 and 3 ranks on
 127.0.0.1, free port, under a timeout), each looping over every kind of
 ``vigil.optim.REGISTRY`` on the tiny MLP of ``tests.vigil.optim.common``. Checkpoints go
-through ``vigil.checkpoint.save`` / ``restore`` (DCP folders under pytest's tmp_path). The checks
+through ``vigil.checkpointing.save`` / ``restore`` (DCP folders under pytest's tmp_path). The checks
 run in the parent on what the ranks return:
 
 * same world size: the losses and parameters after the restore equal an uninterrupted run's, bit for bit;
@@ -26,7 +26,7 @@ import torch
 
 from tests.vigil.optim.common import flat_params, make, tiny_mlp, train_step
 from tests.vigil.optim.harness import run_ranks
-from vigil import checkpoint
+from vigil import checkpointing as checkpoint
 from vigil.optim import REGISTRY
 from vigil.optim.base import Shard, Strategy
 

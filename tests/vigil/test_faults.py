@@ -26,7 +26,7 @@ from controller.probe import wait_for
 from controller.schemas import CheckpointSample, FaultSample, JobCreate, StepSample
 from controller.settings import FAULT_FIRED_SUFFIX, fault_file_path
 from examples.gpt_pydoc.gpt_train import train
-from vigil import checkpoint
+from vigil import checkpointing as checkpoint
 from vigil.comm import CollectiveRecord
 from vigil.faults import HANG_RANK, KILL_RANK, NAN_LOSS, SLOW_RANK, FaultHook
 from vigil.sdk import RankContext

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from controller.schemas import JobCreate
-from vigil import checkpoint
+from vigil import checkpointing as checkpoint
 
 pytestmark = pytest.mark.slow
 

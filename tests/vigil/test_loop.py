@@ -24,7 +24,7 @@ import torch.distributed as dist
 from controller.probe import free_port
 from controller.schemas import CheckpointSample, JobCreate, StepSample
 from examples.gpt_pydoc.gpt_train import lr_at, train
-from vigil.checkpoint import MANIFEST_FILE, verify
+from vigil.checkpointing import MANIFEST_FILE, verify
 from vigil.comm import CollectiveRecord
 from vigil.runner import ray_node_name
 from vigil.sdk import MAX_PREEMPTION_CHECK_STEPS, PreemptionSchedule, RankContext

@@ -31,7 +31,7 @@ import pytest
 
 from controller.schemas import JobCreate
 from controller.settings import agent_socket_path
-from vigil import checkpoint
+from vigil import checkpointing as checkpoint
 
 pytestmark = pytest.mark.slow
 

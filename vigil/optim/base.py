@@ -1,6 +1,6 @@
 """The interface every optimizer strategy offers the train loop, and how its state is checkpointed.
 
-State layout (what :mod:`vigil.checkpoint` needs to restore a strategy on another world size)
+State layout (what :mod:`vigil.checkpointing` needs to restore a strategy on another world size)
 ------------------------------------------------------------------------------------------------
 
 ``Strategy.state_dict()`` is a tree of dicts / lists / tuples whose leaves are tensors or plain

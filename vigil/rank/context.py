@@ -63,7 +63,7 @@ class RankContext:
     telemetry: TelemetrySink = field(default_factory=NullTelemetry)
     """Where step, collective and (rank 0) checkpoint samples go."""
     checkpoint_root: Path | None = None
-    """This job's checkpoint root (``step-XXXXXXXX`` folders, see :mod:`vigil.checkpoint`); restore
+    """This job's checkpoint root (``step-XXXXXXXX`` folders, see :mod:`vigil.checkpointing`); restore
     takes the newest valid checkpoint there. None: a temporary root for this session (checkpoints do
     not outlive it; saves are synchronous)."""
     restore_dir: Path | None = None

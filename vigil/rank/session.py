@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._pytree import tree_map
 
 from controller.schemas import FaultSample, JobCreate, OptimizerSpec, StepSample
-from vigil import checkpoint as ckpt_mod
+from vigil import checkpointing as ckpt_mod
 from vigil.capture import CollectiveCapture, Window, assign, busy_seconds, fr_available
 from vigil.comm import CollectiveRecord, Comm
 from vigil.faults import Fault, FaultHook
@@ -155,9 +155,9 @@ class Session:
         s = self._step
         if s is None or self._vigil_optimizer:
             return
-        s._before_optimizer()
-        if s._optimizer_ns is None:
+        if s._optimizer_ns is None:  # before a slow_rank's sleep: the collectives were done by now
             s._optimizer_ns = time.time_ns()
+        s._before_optimizer()
         s._optimizer_t = time.perf_counter()
 
     def _torch_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 
 Needs torch with gloo; each case runs 2 ranks through ``harness.run_ranks`` (processes on
 127.0.0.1, free port, under a timeout). The state goes through ``torch.save`` and
-``torch.load(weights_only=True)`` as in ``vigil.checkpoint``; the restored model starts from other
+``torch.load(weights_only=True)`` as in ``vigil.checkpointing``; the restored model starts from other
 weights, so everything must come from the checkpoint. The cut falls in the middle of a period
 (tau, H) and after PowerSGD has started compressing.
 """

@@ -3,7 +3,7 @@
 Needs torch with gloo and the offline pydoc corpus (cached once per session by the
 ``corpus_cache`` fixture); one 2-rank run through ``harness.run_ranks`` (127.0.0.1, free port,
 under a timeout). Each kind trains the loop's byte-level GPT for a few steps with a checkpoint in
-the middle of a period (written and read by ``vigil.checkpoint``), then resumes from it; the
+the middle of a period (written and read by ``vigil.checkpointing``), then resumes from it; the
 resumed run must end with the same parameters, and the losses must be finite.
 """
 

@@ -12,9 +12,9 @@ write completes; the loop polls for completion once per step. One save is in fli
 async saving fails to start, the save falls back to a synchronous ``dcp.save``.
 
 A checkpoint is chosen on start among the root's folders and Ray Train's hint
-(:func:`~vigil.checkpoint.format.choose`), flattened to DCP keys by :mod:`vigil.checkpoint.state`,
-completed by a manifest and pruned by retention (:mod:`vigil.checkpoint.format`), and read back
-by :func:`~vigil.checkpoint.reshard.restore`.
+(:func:`~vigil.checkpointing.format.choose`), flattened to DCP keys by :mod:`vigil.checkpointing.state`,
+completed by a manifest and pruned by retention (:mod:`vigil.checkpointing.format`), and read back
+by :func:`~vigil.checkpointing.reshard.restore`.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from controller.checkpoint_layout import attempts_dir, list_step_dirs, step_dir
 from controller.schemas import CheckpointSample
-from vigil.checkpoint.format import Manifest, choose, prune, remove_dir, write_manifest
-from vigil.checkpoint.reshard import restore  # also silences DCP's single-process warning
-from vigil.checkpoint.state import Stateful, _save_state, check_state
+from vigil.checkpointing.format import Manifest, choose, prune, remove_dir, write_manifest
+from vigil.checkpointing.reshard import restore  # also silences DCP's single-process warning
+from vigil.checkpointing.state import Stateful, _save_state, check_state
 
 log = logging.getLogger(__name__)
 

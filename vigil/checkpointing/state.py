@@ -14,7 +14,7 @@ several ranks save under the same key:
 * ``meta/rank<r>``: rank ``r``'s tree with every tensor replaced by a reference, as JSON in a uint8
   tensor (so the structure and the plain values need no pickle).
 
-Restoring such a tree (on any world size): :mod:`vigil.checkpoint.reshard`.
+Restoring such a tree (on any world size): :mod:`vigil.checkpointing.reshard`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from vigil.checkpoint.format import FORMAT_VERSION
+from vigil.checkpointing.format import FORMAT_VERSION
 from vigil.optim.base import Shard, StateLayout, StatePath
 
 # Top-level keys of a rank's state tree (named constants: CONVENTIONS 6).

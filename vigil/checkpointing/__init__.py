@@ -4,20 +4,20 @@ The package, by concern:
 
 * :mod:`~controller.checkpoint_layout` (shared with the agent): the ``step-XXXXXXXX`` folder names and the manifest's file
   name (torch-free);
-* :mod:`~vigil.checkpoint.format`: the on-disk format (manifest, checksums, validity, pointers),
+* :mod:`~vigil.checkpointing.format`: the on-disk format (manifest, checksums, validity, pointers),
   where a job's checkpoints live, retention and the choice of the newest valid checkpoint;
-* :mod:`~vigil.checkpoint.state`: the named state of a rank (``state_of``, ``check_state``), its
+* :mod:`~vigil.checkpointing.state`: the named state of a rank (``state_of``, ``check_state``), its
   layout (replicated, local, sharded) and its flattening to DCP keys;
-* :mod:`~vigil.checkpoint.reshard`: save and restore one folder, restoring on any world size;
-* :mod:`~vigil.checkpoint.checkpointer`: the train loop's :class:`Checkpointer` (async saves,
+* :mod:`~vigil.checkpointing.reshard`: save and restore one folder, restoring on any world size;
+* :mod:`~vigil.checkpointing.checkpointer`: the train loop's :class:`Checkpointer` (async saves,
   agreement across ranks on finite state, fallback past invalid checkpoints, reports).
 
 This module re-exports what the rest of Vigil uses.
 """
 
 from controller.checkpoint_layout import MANIFEST_FILE, list_step_dirs, step_dir
-from vigil.checkpoint.checkpointer import Checkpointer
-from vigil.checkpoint.format import (
+from vigil.checkpointing.checkpointer import Checkpointer
+from vigil.checkpointing.format import (
     POINTER_FILE,
     InvalidCheckpoint,
     choose,
@@ -27,8 +27,8 @@ from vigil.checkpoint.format import (
     verify,
     write_pointer,
 )
-from vigil.checkpoint.reshard import restore, save
-from vigil.checkpoint.state import state_of
+from vigil.checkpointing.reshard import restore, save
+from vigil.checkpointing.state import state_of
 
 __all__ = [
     "MANIFEST_FILE",

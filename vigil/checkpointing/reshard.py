@@ -1,7 +1,7 @@
 """Save and restore one checkpoint folder; a restore reshards onto the current world size.
 
-:func:`save` writes every rank's flattened tree (:mod:`vigil.checkpoint.state`) with DCP and has
-rank 0 write the manifest (:mod:`vigil.checkpoint.format`). :func:`restore` reads it back, on any world size.
+:func:`save` writes every rank's flattened tree (:mod:`vigil.checkpointing.state`) with DCP and has
+rank 0 write the manifest (:mod:`vigil.checkpointing.format`). :func:`restore` reads it back, on any world size.
 
 A restore on N' ranks from a checkpoint of N ranks: new rank ``r`` reads the tree of old rank
 ``r`` (old rank 0's when ``r >= N``), loads replicated tensors as they are, its own local ones from
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from vigil.checkpoint.format import (
+from vigil.checkpointing.format import (
     FORMAT_VERSION,
     InvalidCheckpoint,
     Manifest,
@@ -34,7 +34,7 @@ from vigil.checkpoint.format import (
     verify,
     write_manifest,
 )
-from vigil.checkpoint.state import (
+from vigil.checkpointing.state import (
     _META,
     _REP,
     KEY_RNG,
