@@ -85,7 +85,7 @@ class DecodedBatch:
         return self.step.n + self.collective.n + len(self.header.samples)
 
 
-_HEADER_KINDS = ("checkpoint", "fault")
+_HEADER_KINDS = ("checkpoint", "fault", "progress")
 
 
 def decode(body: bytes) -> DecodedBatch:
@@ -303,6 +303,7 @@ def ingest_columnar(session: Session, batch: DecodedBatch, now: float | None = N
             progress=_progress(kept),
             checkpoints=[s for s in others if s.kind == "checkpoint"],  # type: ignore[misc]
             faults=[s for s in others if s.kind == "fault"],  # type: ignore[misc]
+            states=[s for s in others if s.kind == "progress"],  # type: ignore[misc]
             orphans=orphans,
         )
 

@@ -429,3 +429,19 @@ class StackDump(Base):
     pid: Mapped[int] = mapped_column(Integer)
     stack: Mapped[str] = mapped_column(Text)
     collected_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RankProgress(Base):
+    """Where each rank of a job last stood in its collectives while its steps stalled (the newest report per
+    rank): a hang's diagnosis lines them up to name the rank that never entered the others' collective."""
+
+    __tablename__ = "rank_progress"
+
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    ts: Mapped[float] = mapped_column(Float)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    idle_s: Mapped[float] = mapped_column(Float, default=0.0)
+    state: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """``groups``, ``in_flight`` and ``last_done`` of the rank's :class:`ProgressSample`."""

@@ -25,6 +25,7 @@ from controller.models import (
     Fault,
     Job,
     Node,
+    RankProgress,
     TelemetryBatchSeen,
 )
 from controller.schemas import (
@@ -32,6 +33,7 @@ from controller.schemas import (
     CollectiveSample,
     FaultSample,
     NodeState,
+    ProgressSample,
     StepSample,
     TelemetryAck,
     TelemetryBatch,
@@ -162,6 +164,8 @@ class Prepared:
     progress: list[StepSample]
     checkpoints: list[CheckpointSample] = field(default_factory=list)
     faults: list[FaultSample] = field(default_factory=list)
+    states: list[ProgressSample] = field(default_factory=list)
+    """Where stalled ranks stand in their collectives (rare: only while steps stall)."""
     orphans: int = 0
     live: list[tuple[Any, ...]] = field(default_factory=list)
     """The collective rows of live recovery (:data:`LIVE_OPS`), which are also job events: rare, and found
@@ -206,7 +210,7 @@ def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: 
         return TelemetryAck(accepted=True, duplicate=True, stored=0)
     stored = bulk_insert(session, "step_metrics", (*STEP_COLUMNS, "node_id"), rows.steps)
     stored += bulk_insert(session, "collective_metrics", (*COLLECTIVE_COLUMNS, "node_id"), rows.collectives)
-    stored += len(rows.checkpoints) + len(rows.faults)
+    stored += len(rows.checkpoints) + len(rows.faults) + len(rows.states)
     if stored:
         conn.execute(_COUNT_BATCH, {"row": seen_row, "stored": stored})
     mark_dirty(session, rows.touched, time.time() if now is None else now)
@@ -218,6 +222,8 @@ def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: 
         record_checkpoints(session, rows.checkpoints)
     if rows.faults:
         record_fault_hits(session, rows.faults)
+    if rows.states:
+        record_rank_progress(session, rows.states)
     if rows.live:
         record_live_events(session, rows.live, header.node_id)
     touch_node(session, header)
@@ -248,6 +254,7 @@ def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
             progress=step_samples,
             checkpoints=[s for s in samples if s.kind == "checkpoint"],  # type: ignore[misc]
             faults=[s for s in samples if s.kind == "fault"],  # type: ignore[misc]
+            states=[s for s in samples if s.kind == "progress"],  # type: ignore[misc]
             orphans=len(batch.samples) - len(samples),
         )
 
@@ -269,6 +276,25 @@ def update_job_progress(session: Session, samples: list[StepSample]) -> None:
             f"UPDATE jobs SET last_step = {m}, last_loss = {m} WHERE id = {m} AND (last_step IS NULL OR last_step <= {m})",
             (s.step, s.loss, job_id, s.step),
         )
+
+
+def record_rank_progress(session: Session, samples: list[ProgressSample]) -> None:
+    """Keep each rank's newest progress report (newer attempt, then newer time, wins; a replay changes nothing)."""
+    newest: dict[tuple[str, int], ProgressSample] = {}
+    for p in samples:
+        cur = newest.get((p.job_id, p.rank))
+        if cur is None or (p.attempt, p.ts) > (cur.attempt, cur.ts):
+            newest[(p.job_id, p.rank)] = p
+    for (job_id, rank), p in newest.items():
+        row = session.get(RankProgress, (job_id, rank))
+        if row is not None and (row.attempt, row.ts) >= (p.attempt, p.ts):
+            continue
+        state = p.model_dump(mode="json", include={"groups", "in_flight", "last_done"})
+        if row is None:
+            session.add(RankProgress(job_id=job_id, rank=rank, attempt=p.attempt, ts=p.ts, step=p.step,
+                                     idle_s=p.idle_s, state=state))
+        else:
+            row.attempt, row.ts, row.step, row.idle_s, row.state = p.attempt, p.ts, p.step, p.idle_s, state
 
 
 def record_fault_hits(session: Session, samples: list[FaultSample]) -> None:

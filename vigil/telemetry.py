@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from typing import Any, Protocol, Self
 
 from pydantic import ValidationError
 
-from controller.schemas import CheckpointSample, CollectiveSample, FaultSample, StepSample
+from controller.schemas import CheckpointSample, CollectiveSample, FaultSample, ProgressSample, StepSample
 from vigil.comm import CollectiveRecord
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,15 @@ rank that ends while its agent's queue is full would otherwise go nowhere). No a
 _EXPECTED_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
 
 
+def _locked(fn: Any) -> Any:
+    """One caller at a time (the training thread, and the watcher thread while steps stall)."""
+    def wrapper(self: RankTelemetry, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+    wrapper.__doc__, wrapper.__name__ = fn.__doc__, fn.__name__
+    return wrapper
+
+
 class TelemetrySink(Protocol):
     """What the train loop needs from telemetry (fakes in tests implement this)."""
 
@@ -99,6 +109,9 @@ class NullTelemetry:
         return None
 
     def send_fault(self, sample: FaultSample) -> None:
+        return None
+
+    def send_progress(self, sample: ProgressSample) -> None:
         return None
 
     def close(self) -> None:
@@ -209,6 +222,7 @@ class RankTelemetry:
         self.enabled = telemetry_enabled()
         """False under ``VIGIL_TELEMETRY=off``: every call returns at once."""
         self._warned: set[int] = set()
+        self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         try:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -236,6 +250,7 @@ class RankTelemetry:
                 log.warning("telemetry to %s failing (%s); dropping samples", self.socket_path, e)
             return False
 
+    @_locked
     def send(self, samples: Sequence[StepSample | CollectiveSample | CheckpointSample | dict[str, Any]]) -> int:
         """Queue ``samples`` in as few datagrams as fit and send what the agent will take now (these and
         any backlog, oldest first); returns how many samples were delivered by this call.
@@ -285,6 +300,7 @@ class RankTelemetry:
                 self._unsent -= 1
                 self._drop(old[1] + old[2])  # its samples, and the drops it was carrying
 
+    @_locked
     def flush(self) -> int:
         """Send the backlog's undelivered datagrams, oldest first, until the agent takes no more; the
         whole replay window again when the agent's socket is a new one. Returns samples delivered."""
@@ -330,12 +346,21 @@ class RankTelemetry:
         """A checkpoint sample (rank 0, once a checkpoint is complete or found invalid)."""
         self.send([sample])
 
+    @_locked
     def send_fault(self, sample: FaultSample) -> None:
         """An injected fault this rank is about to carry out (the step it hit), sent at once after any
         backlog. Sent even with telemetry off: it is the fault's record, not a measurement."""
         self._queue(b"[" + encode(sample.model_dump()) + b"]", 1, 0)  # a datagram is a JSON array
         self.flush()
 
+    @_locked
+    def send_progress(self, sample: ProgressSample) -> None:
+        """Where this rank stands in its collectives while its steps stall (the watcher thread's; see
+        :mod:`vigil.rank.watch`). Sent even with telemetry off: a hang's diagnosis needs it."""
+        self._queue(b"[" + encode(sample.model_dump(mode="json")) + b"]", 1, 0)
+        self.flush()
+
+    @_locked
     def drain(self, timeout_s: float = DRAIN_S) -> int:
         """Send what is not delivered yet, waiting up to ``timeout_s`` while the agent is there but busy
         (its queue full); at once if there is no agent. Returns the samples still undelivered."""
@@ -362,6 +387,7 @@ class RankTelemetry:
         finally:
             probe.close()
 
+    @_locked
     def close(self) -> None:
         """Deliver what is left (:meth:`drain`), then close the socket."""
         if self._sock is not None:

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from controller.models import Incident, Job, Node
-from controller.recovery import nic, reads
+from controller.recovery import collectives, nic, reads
 from controller.recovery.stacks import group_stacks
 from controller.schemas import IncidentKind, IncidentStatus, JobStatus, NodeState, RecoveryThresholds
 
@@ -214,12 +214,21 @@ def diagnose_hang(s: Session, job: Job, inc: Incident, th: RecoveryThresholds, n
     locs = reads.rank_locations(s, job.id)
     evidence = {**inc.evidence, "stack_groups": [{"ranks": g.ranks, "signature": g.signature} for g in groups],
                 "odd_ranks": odd, "stacks_from": sorted(stacks)}
+    # Where each rank stands in its collectives (its watcher's reports): the rank(s) that never entered
+    # the collective the others wait in. It names the culprit before the stacks do.
+    found = collectives.analyse(reads.rank_progress(s, job.id))
+    late: list[int] = []
+    if found is not None:
+        evidence["collectives"] = {**found, "summary": collectives.summary(found)}
+        late = found["not_entered"]
     rank, node_id = inc.rank, inc.node_id
-    if len(odd) == 1:
-        rank = odd[0]
-        node_id = locs[odd[0]].node_id if odd[0] in locs else None
-    # Suspects: the odd ranks out; else the rank found silent on its own (live recovery); else every rank.
-    suspects = odd or ([inc.rank] if inc.rank is not None else sorted(locs))
+    named = late if len(late) == 1 else odd
+    if len(named) == 1:
+        rank = named[0]
+        node_id = locs[rank].node_id if rank in locs else None
+    # Suspects: the ranks that never entered the awaited collective, else the odd ranks out by stack; else
+    # the rank found silent on its own (live recovery); else every rank.
+    suspects = late or odd or ([inc.rank] if inc.rank is not None else sorted(locs))
     return [Finding(IncidentKind.HANG, job.id, node_id, rank, evidence, step=job.last_step, stage=Stage.DIAGNOSED,
                     incident_id=inc.id, suspects=tuple(suspects))]
 

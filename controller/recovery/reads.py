@@ -14,7 +14,16 @@ from typing import Any
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
-from controller.models import Checkpoint, CollectiveMetric, Incident, Job, Node, StackDump, StepMetric
+from controller.models import (
+    Checkpoint,
+    CollectiveMetric,
+    Incident,
+    Job,
+    Node,
+    RankProgress,
+    StackDump,
+    StepMetric,
+)
 from controller.recovery import faults
 from controller.recovery.faults import RankLocation
 from controller.schemas import IncidentKind, IncidentStatus, JobStatus, NodeState
@@ -100,6 +109,16 @@ def stack_dumps(s: Session, incident_id: int) -> Sequence[StackDump]:
 
 
 # -- steps -----------------------------------------------------------------------------------------------
+
+
+def rank_progress(s: Session, job_id: str) -> dict[int, dict[str, Any]]:
+    """Each rank's newest collective progress report, of the newest run attempt that sent any."""
+    rows = s.scalars(select(RankProgress).where(RankProgress.job_id == job_id)).all()
+    if not rows:
+        return {}
+    newest = max(r.attempt for r in rows)
+    return {r.rank: {"step": r.step, "idle_s": r.idle_s, "ts": r.ts, "state": r.state}
+            for r in rows if r.attempt == newest}
 
 
 def current_attempt(s: Session, job_id: str, window: int = 256) -> int:

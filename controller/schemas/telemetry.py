@@ -125,7 +125,42 @@ class FaultSample(_Strict):
     fault_kind: Line = Field(..., min_length=1, max_length=32)
 
 
-RankSample = Annotated[StepSample | CollectiveSample | CheckpointSample | FaultSample, Field(discriminator="kind")]
+class CollectiveRef(_Strict):
+    """One collective of one rank, as its Flight Recorder names it."""
+
+    group: Line = Field(..., min_length=1, max_length=64, description="Process group (world, or torch's name).")
+    seq: int = Field(..., ge=0, le=INT64_MAX, description="The group's collective sequence number.")
+    op: Line = Field(..., min_length=1, max_length=64)
+    enqueued_ts: UnixTime | None = Field(None, description="When the rank entered it.")
+
+
+class GroupProgress(_Strict):
+    """How far one rank got in one process group: the last collective it entered and the last done."""
+
+    group: Line = Field(..., min_length=1, max_length=64)
+    last_enqueued: int = Field(..., ge=-1, le=INT64_MAX)
+    last_completed: int = Field(..., ge=-1, le=INT64_MAX)
+
+
+class ProgressSample(_Strict):
+    """Where a rank stands in its collectives while its steps stall (sent by the rank's watcher thread
+    about once a second while no step finished for a while): what a hang's diagnosis lines up across
+    ranks to name the rank the others wait for (:mod:`vigil.rank.watch`)."""
+
+    kind: Literal["progress"] = "progress"
+    job_id: JobRef
+    rank: int = Field(..., ge=0, le=1_000_000)
+    attempt: int = Field(0, ge=0, le=INT32_MAX)
+    ts: UnixTime
+    step: int = Field(0, ge=0, le=INT32_MAX, description="The step the rank is in (the last one begun).")
+    idle_s: Finite = Field(..., ge=0.0, description="Seconds since the rank's last step ended.")
+    groups: list[GroupProgress] = Field(default_factory=list, max_length=64)
+    in_flight: list[CollectiveRef] = Field(default_factory=list, max_length=16,
+                                           description="Collectives entered and not done, oldest first.")
+    last_done: CollectiveRef | None = Field(None, description="The newest collective done.")
+
+
+RankSample = Annotated[StepSample | CollectiveSample | CheckpointSample | FaultSample | ProgressSample, Field(discriminator="kind")]
 
 
 class RankProcess(_Strict):

@@ -26,7 +26,7 @@ import yaml
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import wait_for
-from controller.schemas import FaultCreate, IncidentKind, JobStatus
+from controller.schemas import CAPTURED_TAG, FaultCreate, IncidentKind, JobStatus
 
 pytestmark = pytest.mark.slow
 
@@ -168,7 +168,8 @@ def _assert_telemetry(client: VigilClient, job_id: str, steps: int) -> None:
     for series in metrics.ranks:
         assert set(range(1, steps + 1)) <= set(series.step), f"rank {series.rank} misses steps"
     coll = client.job_collectives(job_id)
-    grads = [c for c in coll.data if (c.op, c.tag) == ("all_reduce", "grads")]
+    # Vigil's optimizers' gradients ("grads"), or torch's own DDP buckets read from its Flight Recorder
+    grads = [c for c in coll.data if (c.op, c.tag) in (("all_reduce", "grads"), ("all_reduce", CAPTURED_TAG))]
     assert grads, [(c.op, c.tag) for c in coll.data]
     assert grads[0].step and max(grads[0].ranks) == 2  # aggregated over both ranks
 
@@ -229,3 +230,87 @@ def test_every_example_submits_with_its_folder_and_succeeds(
     _finish(client, job_id)
     spec = client.get_job(job_id).spec
     _assert_telemetry(client, job_id, spec.steps)
+
+
+# A project whose modules bear the most common names of training projects, on plain torch DDP and AdamW:
+# only the four `vigil.*` calls are Vigil's. Its entry point is its own `trainer` module.
+COMMON_NAMES = {
+    "model.py": """
+from torch import nn
+
+
+def build(width):
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+""",
+    "data.py": MODEL_PY,
+    "utils.py": "def mse(a, b):\n    return ((a - b) ** 2).mean()\n",
+    "agent.py": "NAME = 'the user agent'\n",
+    "examples/__init__.py": "",
+    "trainer.py": """
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import vigil
+from agent import NAME
+from data import Data
+from model import build
+from utils import mse
+
+
+class Trainer:
+    def __init__(self, config):
+        self.run = vigil.init()
+        torch.manual_seed(0)
+        self.net = build(int(config["width"]))
+        self.model = DistributedDataParallel(self.net)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.data = Data(self.run.rank, self.run.world_size)
+
+    def fit(self):
+        start = (vigil.restore(model=self.net, optimizer=self.opt, data=self.data) or 0) + 1
+        for step in range(start, self.run.steps + 1):
+            with vigil.step(step):
+                x, y = self.data.next()
+                self.opt.zero_grad()
+                loss = mse(self.model(x), y)
+                loss.backward()
+                self.opt.step()
+                vigil.report(loss=loss.item(), tokens=len(x))
+            vigil.checkpoint(step, model=self.net, optimizer=self.opt, data=self.data)
+
+
+def train_func(config):
+    assert NAME.startswith("the user agent")
+    Trainer(config).fit()
+""",
+}
+
+
+def test_plain_ddp_project_with_common_module_names_is_watched_through_torchs_collectives(
+    cluster: LocalCluster, client: VigilClient, tmp_path: Path
+) -> None:
+    proj = tmp_path / "plain-ddp"
+    for name, text in COMMON_NAMES.items():
+        (proj / name).parent.mkdir(parents=True, exist_ok=True)
+        (proj / name).write_text(textwrap.dedent(text))
+    spec = {"name": "plain-ddp", "entrypoint": "trainer:train_func", "config": {"width": 64},
+            "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": 120,
+            "checkpoint": {"interval_steps": 40, "keep_last": 2}, "recovery": {"policy": "observe"}}
+    spec_file = tmp_path / "plain-ddp.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    job_id = _vigil_submit(cluster, spec_file, proj)
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 15, 240, f"{job_id} to reach step 15")
+    at = (client.get_job(job_id).last_step or 15) + 10
+    client.inject_fault(job_id, FaultCreate(kind="slow_rank", rank=1, step=at, params={"factor": 4, "mode": "compute"}))
+    _finish(client, job_id)
+    _assert_telemetry(client, job_id, 120)
+    coll = client.job_collectives(job_id, raw=True)
+    ddp = next(c for c in coll.data if (c.op, c.group, c.tag) == ("all_reduce", "world", CAPTURED_TAG))
+    assert ddp.estimated and max(ddp.wire_bytes) > 0 and max(ddp.ranks) == 2
+    assert coll.raw and all(c.estimated for c in coll.raw if c.tag == CAPTURED_TAG)
+    # After the fault, rank 0 waits inside the gradient all-reduce for the slow rank 1, not the reverse.
+    late = [c for c in coll.raw or [] if c.step > at + 5 and c.op == "all_reduce" and c.group == "world"]
+    wait = {r: sum(c.wait_s for c in late if c.rank == r) for r in (0, 1)}
+    assert wait[0] > 3 * wait[1], wait
+    inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
+    assert inc and inc[0].rank == 1, [(i.kind, i.rank, i.evidence) for i in client.job_incidents(job_id).data]

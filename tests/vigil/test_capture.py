@@ -150,3 +150,46 @@ def test_plain_ddp_collectives_are_captured_per_step_on_every_rank(tmp_path: Pat
     # The same call has the same seq on both ranks (the controller lines them up for the wait).
     keys = [{(s, q, op, g) for s, q, op, g, *_ in o["records"]} for o in out]
     assert keys[0] == keys[1]
+
+
+def _sleepy(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """A plain DDP loop whose rank 1 sleeps in its own code at step 4 (no fault API): what each rank's
+    watcher reports meanwhile."""
+    sink = Sink()
+    reports: list[dict[str, Any]] = []
+    sink.send_progress = lambda p: reports.append(p.model_dump(mode="json"))  # type: ignore[attr-defined]
+    ctx = vigil.RankContext(rank=rank, world_size=world_size, job_id="job-hang", telemetry=sink)
+    spec = JobCreate.model_validate({"name": "hang", "steps": 5, "checkpoint": {"interval_steps": 0}})
+
+    def train(config: dict[str, Any]) -> None:
+        import time
+
+        vigil.init()
+        model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(1, 6):
+            with vigil.step(step):
+                if rank == 1 and step == 4:
+                    time.sleep(5.0)
+                opt.zero_grad()
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+
+    vigil.run(train, ctx, spec)
+    return reports
+
+
+def test_a_rank_asleep_in_its_own_loop_is_named_by_the_collective_the_other_waits_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controller.recovery.collectives import analyse
+
+    monkeypatch.setenv(FR_BUFFER_ENV, "500")
+    out = run_ranks(2, _sleepy, timeout=120)
+    assert out[0] and out[1], "both watchers report while the steps stall"
+    waiting = [r for r in out[0] if r["in_flight"]]
+    assert waiting and waiting[-1]["in_flight"][-1]["op"] == "all_reduce" and waiting[-1]["step"] == 4
+    assert not out[1][-1]["in_flight"]  # the sleeper is inside no collective
+    last = {rank: {"step": o[-1]["step"], "idle_s": o[-1]["idle_s"], "state": o[-1]} for rank, o in enumerate(out)}
+    last[0] = {"step": waiting[-1]["step"], "idle_s": waiting[-1]["idle_s"], "state": waiting[-1]}
+    found = analyse(last)
+    assert found is not None and found["not_entered"] == [1] and found["waiting_ranks"] == [0]
+    assert found["waiting_in"]["group"] == "world"

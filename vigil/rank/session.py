@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
-from controller.schemas import FaultSample, JobCreate, OptimizerSpec, StepSample
+from controller.schemas import FaultSample, JobCreate, OptimizerSpec, ProgressSample, StepSample
 from vigil import checkpointing as ckpt_mod
 from vigil.capture import CollectiveCapture, Window, assign, busy_seconds, fr_available
 from vigil.comm import CollectiveRecord, Comm
@@ -23,6 +23,7 @@ from vigil.faults import Fault, FaultHook
 from vigil.optim import build_strategy
 from vigil.rank.context import PreemptionSchedule, RankContext, TrainSummary
 from vigil.rank.step import Optimizer, Step
+from vigil.rank.watch import Watcher
 from vigil.telemetry import TelemetrySink, finite_or_none
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,15 @@ class Session:
         self.capture: CollectiveCapture | None = None
         if fr_available() and self.live is None:
             self.capture = CollectiveCapture(self.world_size, exclude=self.checkpointer.group_names())
-        self._held: list[tuple[StepSample, list[CollectiveRecord], Window]] = []
+        self._held: list[tuple[StepSample, list[CollectiveRecord], Window, bool]] = []
         self._shipped_step = 0
         self._vigil_optimizer = False
+        self._last_end = time.monotonic()
+        self._watch: Watcher | None = None
+        send_progress = getattr(ctx.telemetry, "send_progress", None)  # optional in a sink
+        if fr_available() and send_progress is not None:
+            self._watch = Watcher(self._idle, self._progress_sample, send_progress,
+                                  exclude=self.checkpointer.group_names(), world_size=self.world_size).start()
         self._hooks.append(register_optimizer_step_pre_hook(self._torch_optimizer_pre))
         self._hooks.append(register_optimizer_step_post_hook(self._torch_optimizer_post))
 
@@ -167,6 +174,14 @@ class Session:
         s._add("optimizer", time.perf_counter() - s._optimizer_t)
         s._optimizer_t = None
 
+    def _idle(self) -> tuple[float, float]:
+        return time.monotonic() - self._last_end, self._last_step_time
+
+    def _progress_sample(self, state: dict[str, Any], idle_s: float) -> ProgressSample:
+        s = self._step
+        return ProgressSample(job_id=self.job_id, rank=self.rank, attempt=self.attempt, ts=time.time(),
+                              step=s.number if s is not None else self.summary.final_step, idle_s=idle_s, **state)
+
     def _fault_hit(self, fault: Fault) -> None:
         """Tell the controller the step an injected fault hits (its record's ``hit_step``), before acting."""
         send = getattr(self.ctx.telemetry, "send_fault", None)  # optional in a sink (TelemetrySink)
@@ -216,9 +231,11 @@ class Session:
         if self.capture is None:
             self.ctx.telemetry.send_step(sample, records)
         else:
-            self._held.append((sample, records, Window(s.number, s._start_ns, s._optimizer_ns, time.time_ns())))
+            self._held.append((sample, records, Window(s.number, s._start_ns, s._optimizer_ns, time.time_ns()),
+                               "forward_backward" in s._phases))
             self._ship_held()
         self._last_step_time = step_time
+        self._last_end = time.monotonic()
         summary = self.summary
         if not summary.losses:
             summary.start_step = s.number
@@ -243,17 +260,17 @@ class Session:
         captured: dict[int, list[CollectiveRecord]] = {}
         if cap is not None:
             found = cap.read()
-            recs, later = assign(found, [w for _, _, w in held], before_first=self._shipped_step)
+            recs, later = assign(found, [h[2] for h in held], before_first=self._shipped_step)
             cap.hold(later)
             for r in recs:
                 captured.setdefault(r.step, []).append(r)
-        for i, (sample, records, w) in enumerate(held):
+        for i, (sample, records, w, marked) in enumerate(held):
             mine = captured.pop(w.step, [])
             if i == 0:  # calls of steps already sent (start-up, between steps) ride with the first
                 mine += [r for recs_ in captured.values() for r in recs_ if r.step < w.step]
-            if mine:
-                own = busy_seconds(r for r in mine if r.step == w.step)
-                sample = sample.model_copy(update={"comm_s": (sample.comm_s or 0.0) + own})
+            own = [r for r in mine if r.step == w.step]
+            if own:
+                sample = sample.model_copy(update=_captured_times(sample, own, w, marked))
             self.ctx.telemetry.send_step(sample, [*records, *mine])
             self._shipped_step = w.step
 
@@ -329,6 +346,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        self._stop_watch()
         for h in self._hooks:
             h.remove()
         try:
@@ -342,11 +360,32 @@ class Session:
             if self.live is not None:
                 self.live.close()
 
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
     def abort(self) -> None:
         """After a failure on this rank: no collectives, no waiting."""
         self.closed = True
+        self._stop_watch()
         for h in self._hooks:
             h.remove()
         self.checkpointer.abort()
         if self.live is not None:
             self.live.close()
+
+
+def _captured_times(sample: StepSample, own: list[CollectiveRecord], w: Window, marked: bool) -> dict[str, Any]:
+    """A step's communication time from its captured collectives: the time the rank stood waiting before
+    its optimizer step (from the last collective it enqueued before it, e.g. DDP's last bucket, to the
+    optimizer step, which needs them done), plus the span of those it ran after. Taken out of an
+    unmarked forward+backward, which holds DDP's wait otherwise."""
+    opt_s = w.optimizer_ns / 1e9 if w.optimizer_ns is not None else None
+    before = [r for r in own if opt_s is not None and r.ts - r.duration_s < opt_s]
+    exposed = max(0.0, opt_s - max(r.ts - r.duration_s for r in before)) if before and opt_s is not None else 0.0
+    after = busy_seconds(r for r in own if r not in before)
+    update: dict[str, Any] = {"comm_s": (sample.comm_s or 0.0) + exposed + after}
+    if not marked and sample.fwd_bwd_s is not None:
+        update["fwd_bwd_s"] = max(0.0, sample.fwd_bwd_s - exposed)
+    return update
