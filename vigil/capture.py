@@ -188,7 +188,7 @@ class Window:
 
 def assign(found: Sequence[Entry], windows: Sequence[Window], *, before_first: int = 0) -> tuple[list[CollectiveRecord], list[Entry]]:
     """Records for the entries that fall in ``windows`` (contiguous: a step spans its start to the next
-    one's), and the entries left for later (after the last window's end, or not done yet).
+    one's; finished steps), and the entries left for later (after the last window's end).
 
     An entry enqueued before the first window is step ``before_first`` (a job's start-up: DDP's initial
     broadcasts), ending at that window's start.
@@ -196,7 +196,9 @@ def assign(found: Sequence[Entry], windows: Sequence[Window], *, before_first: i
     records: list[CollectiveRecord] = []
     later: list[Entry] = []
     for e in found:
-        if not windows or e.created_ns >= windows[-1].end_ns or not e.done:
+        # In a finished step's window: done by that step's boundary (the optimizer step or the end), even
+        # if the recorder has not marked it retired yet (gloo retires after the waiter wakes).
+        if not windows or e.created_ns >= windows[-1].end_ns:
             later.append(e)
             continue
         if e.created_ns < windows[0].start_ns:

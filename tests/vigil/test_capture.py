@@ -61,20 +61,21 @@ def test_entries_land_in_their_step_and_end_where_the_rank_had_to_have_them() ->
         _entry(1, 2, 10 * s),                     # step 1, before its optimizer step: ends there
         _entry(2, 3, 12 * s + 5),                 # step 1, after the optimizer step: ends with the step
         _entry(3, 1, 21 * s, pg=("1", "undefined")),  # step 2, another group
-        _entry(4, 4, 30 * s, retired=False),      # step 3, still in flight: held for the next read
+        _entry(4, 4, 30 * s, retired=False),      # step 3, not marked retired yet: the step's end bounds it
         _entry(5, 5, 40 * s),                     # after the last step: held
     ]}
     found = entries(dump, {"0": 2, "1": 2}, 2)
     windows = [Window(1, 9 * s, 11 * s, 13 * s), Window(2, 20 * s, None, 22 * s), Window(3, 29 * s, None, 31 * s)]
     records, later = assign(found, windows, before_first=0)
     by_seq = {r.seq: r for r in records}
-    assert [r.step for r in records] == [0, 1, 1, 2]
+    assert [r.step for r in records] == [0, 1, 1, 2, 3]
     assert by_seq[SEQ_BASE + 1].duration_s == pytest.approx(8.0)     # until the first step began
     assert by_seq[SEQ_BASE + 2].duration_s == pytest.approx(1.0)     # until the optimizer step
     assert by_seq[SEQ_BASE + 3].duration_s == pytest.approx(1.0, abs=1e-6)  # until the step's end
     assert by_seq[SEQ_BASE + (1 << 20) + 1].group == "pg1"           # seq keeps groups apart
     assert all(r.tag == CAPTURED_TAG and r.wire_bytes == 4000 for r in records)
-    assert [e.record_id for e in later] == [4, 5]
+    assert by_seq[SEQ_BASE + 4].duration_s == pytest.approx(1.0)
+    assert [e.record_id for e in later] == [5]
     assert busy_seconds(r for r in records if r.step == 1) == pytest.approx(2.0, abs=1e-6)
 
 

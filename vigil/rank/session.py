@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -84,13 +85,15 @@ class Session:
             self.capture = CollectiveCapture(self.world_size, exclude=self.checkpointer.group_names())
         self._held: list[tuple[StepSample, list[CollectiveRecord], Window, bool]] = []
         self._shipped_step = 0
+        self._ship_lock = threading.Lock()
         self._vigil_optimizer = False
         self._last_end = time.monotonic()
         self._watch: Watcher | None = None
         send_progress = getattr(ctx.telemetry, "send_progress", None)  # optional in a sink
         if fr_available() and send_progress is not None:
             self._watch = Watcher(self._idle, self._progress_sample, send_progress,
-                                  exclude=self.checkpointer.group_names(), world_size=self.world_size).start()
+                                  exclude=self.checkpointer.group_names(), world_size=self.world_size,
+                                  on_stall=lambda: self._ship_held(force=True)).start()
         self._hooks.append(register_optimizer_step_pre_hook(self._torch_optimizer_pre))
         self._hooks.append(register_optimizer_step_post_hook(self._torch_optimizer_post))
 
@@ -253,6 +256,10 @@ class Session:
     def _ship_held(self, *, force: bool = False) -> None:
         """Send the held step samples with the collectives the Flight Recorder holds for them (when a read
         is due, or ``force``); a step's communication time is the span its captured calls cover."""
+        with self._ship_lock:  # the training thread, or the watcher's when the steps stall
+            self._ship_held_locked(force)
+
+    def _ship_held_locked(self, force: bool) -> None:
         cap = self.capture
         if not self._held or (cap is not None and not force and not cap.due()):
             return

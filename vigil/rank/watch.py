@@ -65,12 +65,14 @@ def progress(dump: dict[str, Any], exclude: set[str], world_size: int) -> dict[s
 
 class Watcher:
     """The rank's watcher thread (see the module docstring). ``idle()``: seconds since the last step ended
-    and that step's time; ``sample(state, idle_s)``: the :class:`ProgressSample` to send; ``send``."""
+    and that step's time; ``sample(state, idle_s)``: the :class:`ProgressSample` to send; ``send``;
+    ``on_stall()``: called once when a stall begins."""
 
     def __init__(self, idle: Callable[[], tuple[float, float]], sample: Callable[[dict[str, Any], float], ProgressSample],
                  send: Callable[[ProgressSample], None], *, exclude: set[str], world_size: int,
-                 dump: Callable[[], dict[str, Any]] = dump_fr, period_s: float = PERIOD_S) -> None:
-        self._idle, self._sample, self._send = idle, sample, send
+                 dump: Callable[[], dict[str, Any]] = dump_fr, period_s: float = PERIOD_S,
+                 on_stall: Callable[[], None] | None = None) -> None:
+        self._idle, self._sample, self._send, self._on_stall = idle, sample, send, on_stall
         self.exclude, self.world_size, self.dump, self.period_s = exclude, world_size, dump, period_s
         self._stop = threading.Event()
         self._last: tuple[Any, float] | None = None
@@ -99,6 +101,8 @@ class Watcher:
         if idle_s < stall_limit(step_s):
             self._last = None
             return False
+        if self._last is None and self._on_stall is not None:
+            self._on_stall()  # e.g. send the steps held back before the stall
         state = progress(self.dump(), self.exclude, self.world_size)
         key = (tuple(g.model_dump_json() for g in state["groups"]), tuple(r.seq for r in state["in_flight"]))
         now = time.monotonic()
