@@ -220,7 +220,9 @@ class Monitor(BackgroundLoop):
         self._respond(s, job, spec, finding)
 
     def _history(self, s: Session, job: Job) -> policy.History:
-        return policy.History(recovering=reads.recovering(s, job.id), stalled_restarts=job.stalled_restarts)
+        observe = (job.spec.get("recovery") or {}).get("policy") == RecoveryPolicy.OBSERVE.value
+        return policy.History(recovering=reads.recovering(s, job.id, observe=observe),
+                              stalled_restarts=job.stalled_restarts)
 
     # -- manual recovery (the API calls actions.restart_job; kept for callers of the monitor) ------------
     def restart_job(self, s: Session, job: Job, reason: str, evict_node: str | None = None) -> Incident:

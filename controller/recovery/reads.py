@@ -69,9 +69,12 @@ def closed_since(s: Session, job_id: str, kind: IncidentKind, node_id: str | Non
         Incident.detected_at >= datetime.fromtimestamp(since, UTC)).order_by(Incident.id.desc()).limit(1))
 
 
-def recovering(s: Session, job_id: str) -> bool:
-    """Whether the job has an incident under way other than a loss spike (which never acts)."""
-    return s.scalar(select(Incident.id).where(Incident.job_id == job_id, Incident.status.in_(LIVE),
+def recovering(s: Session, job_id: str, *, observe: bool = False) -> bool:
+    """Whether the job has an incident under way other than a loss spike (which never acts). ``observe``
+    (the job's policy): only an incident Vigil acts on (ACTING) counts; under observe an incident stays
+    OPEN for good, and must not mute the other detectors for the rest of the job."""
+    statuses = (IncidentStatus.ACTING.value,) if observe else LIVE
+    return s.scalar(select(Incident.id).where(Incident.job_id == job_id, Incident.status.in_(statuses),
                                               Incident.kind != IncidentKind.LOSS_SPIKE.value).limit(1)) is not None
 
 

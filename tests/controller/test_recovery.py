@@ -534,6 +534,38 @@ def test_manual_recovery_under_observe_is_carried_out_and_closed_not_left_open(e
     assert ("straggler", "OPEN") in kinds and ("manual", "CLOSED") in kinds
 
 
+@pytest.mark.parametrize("env", [{"recovery": {"policy": "observe"}}], indirect=True)
+def test_under_observe_an_open_straggler_does_not_mute_a_hang_named_by_its_collective(env: Env) -> None:
+    """Under observe an incident stays OPEN for good: it must not silence the other detectors (it did: a job
+    with a straggler on record had its hang never detected). The hang's diagnosis lines up the ranks'
+    progress reports: rank 0 waits in all_reduce #83, rank 1 never entered it."""
+    env.steps(1, 20)
+    env.steps(21, 32, compute={1: 0.15})
+    env.monitor.step()
+    assert [(i["kind"], i["status"]) for i in env.incidents()] == [("straggler", "OPEN")]
+    env.clock.now += 16
+    for rank, node in env.nodes.items():
+        entered = 83 if rank == 0 else 82
+        env.post([{"kind": "progress", "job_id": env.job_id, "rank": rank, "attempt": env.attempt, "ts": env.clock.now,
+                   "step": 33, "idle_s": 16.0,
+                   "groups": [{"group": "world", "last_enqueued": entered, "last_completed": 82}],
+                   "in_flight": [{"group": "world", "seq": 83, "op": "all_reduce", "enqueued_ts": env.clock.now - 16}]
+                   if rank == 0 else []}], node)
+    env.monitor.step()
+    hang = next(i for i in env.incidents() if i["kind"] == "hang")
+    dumps = {n: env.commands(n) for n in ("vigil-node-1", "vigil-node-2")}
+    same = 'Thread 0x1 (idle): "MainThread"\n    fit (trainer.py:10)\n'
+    for rank, node in env.nodes.items():
+        env.answer(node, dumps[node][0]["id"], output={"stacks": {str(rank): same}})
+    env.monitor.step()
+    hang = next(i for i in env.incidents() if i["kind"] == "hang")
+    found = hang["evidence"]["collectives"]
+    assert found["not_entered"] == [1] and found["waiting_in"] == {"group": "world", "seq": 83, "op": "all_reduce"}
+    assert hang["rank"] == 1 and hang["node_id"] == "vigil-node-2" and hang["evidence"]["odd_ranks"] == []
+    assert found["summary"] == "ranks 0 wait in all_reduce #83 of group world; rank 1 never entered it"
+    assert env.cluster.drained == []  # observe: on record, no action
+
+
 def test_a_node_the_job_cannot_do_without_is_not_evicted(env: Env) -> None:
     """Two 1-CPU workers on two 1-CPU nodes (the head has none): evicting either leaves the job nowhere to
     run, so a straggler is recorded and the job runs on; a hang restarts the ranks without evicting."""

@@ -194,3 +194,49 @@ def test_a_rank_asleep_in_its_own_loop_is_named_by_the_collective_the_other_wait
     found = analyse(last)
     assert found is not None and found["not_entered"] == [1] and found["waiting_ranks"] == [0]
     assert found["waiting_in"]["group"] == "world"
+
+
+def _unmarked(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Code written for plain PyTorch: no vigil.step, no vigil.report; Vigil only opened the session. A
+    slow_rank fault file for rank 1 from step 6."""
+    import json
+
+    from controller.settings import fault_file_path
+
+    fault = fault_file_path(Path(root) / "run", "job-auto", rank)
+    if rank == 1:
+        fault.parent.mkdir(parents=True, exist_ok=True)
+        fault.write_text(json.dumps({"kind": "slow_rank", "step": 6, "fault_id": 3, "factor": 6}))
+    sink = Sink()
+    ctx = vigil.RankContext(rank=rank, world_size=world_size, job_id="job-auto", telemetry=sink, fault_file=fault)
+    spec = JobCreate.model_validate({"name": "auto", "steps": 10, "checkpoint": {"interval_steps": 0}})
+
+    def train(config: dict[str, Any]) -> None:
+        import time
+
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 16)
+        for _ in range(10):
+            time.sleep(0.02)  # compute the slow rank stretches
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    vigil.run(train, ctx, spec)
+    return {"steps": [(s.step, s.fwd_bwd_s, s.comm_s, s.optim_s) for s in sink.steps],
+            "records": [(r.step, r.op, r.group) for recs in sink.records for r in recs]}
+
+
+def test_unmarked_code_is_stepped_by_its_optimizer_with_collectives_and_faults(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FR_BUFFER_ENV, "500")
+    out = run_ranks(2, _unmarked, str(tmp_path), timeout=120)
+    for o in out:
+        # The first optimizer step starts the clock; the rest are steps, numbered by AdamW's own count.
+        assert [s for s, *_ in o["steps"]] == list(range(2, 11))
+        assert all(c is not None and c > 0 and opt is not None for _, _, c, opt in o["steps"])
+        assert {s for s, op, g in o["records"] if op == "all_reduce" and g == "world"} >= set(range(2, 11))
+    compute = {r: sorted(c for s, c, *_ in out[r]["steps"] if s >= 7) for r in (0, 1)}
+    # rank 1's compute stretched 6x from step 6 on; rank 0's wait for it is communication, not compute
+    assert compute[1][len(compute[1]) // 2] > 3 * compute[0][len(compute[0]) // 2], compute

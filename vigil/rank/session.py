@@ -22,6 +22,7 @@ from vigil.capture import CollectiveCapture, Window, assign, busy_seconds, fr_av
 from vigil.comm import CollectiveRecord, Comm
 from vigil.faults import Fault, FaultHook
 from vigil.optim import build_strategy
+from vigil.rank.autostep import AutoSteps
 from vigil.rank.context import PreemptionSchedule, RankContext, TrainSummary
 from vigil.rank.step import Optimizer, Step
 from vigil.rank.watch import Watcher
@@ -87,6 +88,7 @@ class Session:
         self._shipped_step = 0
         self._ship_lock = threading.Lock()
         self._vigil_optimizer = False
+        self._auto = AutoSteps(self)
         self._last_end = time.monotonic()
         self._watch: Watcher | None = None
         send_progress = getattr(ctx.telemetry, "send_progress", None)  # optional in a sink
@@ -171,11 +173,14 @@ class Session:
         s._optimizer_t = time.perf_counter()
 
     def _torch_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        s = self._step
-        if s is None or self._vigil_optimizer or s._optimizer_t is None:
+        if self._vigil_optimizer:
             return
-        s._add("optimizer", time.perf_counter() - s._optimizer_t)
-        s._optimizer_t = None
+        s = self._step
+        if s is not None and s._optimizer_t is not None:
+            s._add("optimizer", time.perf_counter() - s._optimizer_t)
+            s._optimizer_t = None
+        if s is None or s.auto:
+            self._auto.after_optimizer(optimizer)  # code that does not mark its steps
 
     def _idle(self) -> tuple[float, float]:
         return time.monotonic() - self._last_end, self._last_step_time
@@ -285,7 +290,7 @@ class Session:
 
     def restore(self, **state: Any) -> int | None:
         """See :func:`restore`."""
-        if self._step is not None:
+        if self._step is not None and not self._step.auto:
             raise RuntimeError("restore() inside a step: call it before the first step")
         if self.live is not None:
             self.live.register(state)
@@ -299,7 +304,7 @@ class Session:
 
     def checkpoint(self, step: int, *, force: bool = False, **state: Any) -> bool:
         """See :func:`checkpoint`."""
-        if self._step is not None:
+        if self._step is not None and not self._step.auto:
             raise RuntimeError("checkpoint() inside a step: call it after the `with vigil.step(n):` block")
         interval = self.spec.checkpoint.interval_steps
         last = step >= self.steps

@@ -102,6 +102,8 @@ class Step:
         self._optimizer_t: float | None = None
         self._slowed = False
         self.fault: str | None = None
+        self.auto = False
+        """Opened by Vigil at an optimizer step of code that does not mark steps (:mod:`vigil.rank.autostep`)."""
 
     # -- phases ------------------------------------------------------------------------------------
 
@@ -159,6 +161,8 @@ class Step:
 
     def __enter__(self) -> Self:
         s = self.session
+        if not self.auto:
+            s._auto.disengage()
         if s._step is not None:
             raise RuntimeError(f"step {self.number} opened while step {s._step.number} is still open")
         s._step = self
