@@ -152,6 +152,9 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
         extra["report"] = report
     if preemption_pending is not None:
         extra["preemption_pending"] = preemption_pending
+    if entry.is_script and live is None:
+        return run_script_rank(config, spec, entry, rank, world_size, node=node, run_dir=run_dir, root=Path(root),
+                               restore_dir=restore_dir, report=report)
     with RankTelemetry(agent_socket_path(run_dir, node)) as telemetry:
         ctx = sdk.RankContext(
             rank=rank,
@@ -170,4 +173,43 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
         if telemetry.dropped_total:
             log.info("rank %d: %d telemetry samples dropped (no agent or agent busy)", ctx.rank, telemetry.dropped_total)
     log.info("rank %d (node %s) finished at step %d", ctx.rank, node, summary.final_step)
+    return summary
+
+
+def run_script_rank(config: dict[str, Any], spec: JobCreate, entry: Entrypoint, rank: int, world_size: int, *,
+                    node: str, run_dir: Path, root: Path, restore_dir: Path | None,
+                    report: sdk.ReportFn | None) -> sdk.TrainSummary:
+    """A script entry point on this rank: a child process with torchrun's environment (:mod:`vigil.launch`).
+    Rank 0 picks the children's rendezvous port on its node and tells the others through the process group
+    Ray Train made (which the children do not use: they make their own, as under torchrun)."""
+    import os
+
+    import ray.train
+    import torch.distributed as dist
+
+    from controller.settings import agent_socket_path
+    from vigil import launch
+
+    assert entry.script is not None
+    tctx = ray.train.get_context()
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    box = [launch.free_port(master) if rank == 0 else 0]
+    if world_size > 1 and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    job_id = str(config["job_id"])
+    folder = Path(tempfile.mkdtemp(prefix=f"vigil-rank{rank}-"))
+    context = launch.write_context(
+        folder / "context.json", job_id=job_id, node_id=node, socket_path=str(agent_socket_path(run_dir, node)),
+        fault_file=str(fault_file_path(run_dir, job_id, rank)), checkpoint_root=str(root),
+        restore_dir=str(restore_dir) if restore_dir is not None else None,
+        report_interval=int(config.get("report_interval") or sdk.REPORT_INTERVAL_STEPS),
+        spec=spec.model_dump(mode="json"), config=dict(spec.config))
+    done = launch.run_script(entry.script, entry.args, rank=rank, world_size=world_size,
+                             local_rank=tctx.get_local_rank(), local_world_size=tctx.get_local_world_size(),
+                             master_addr=master, master_port=int(box[0]), context_file=context,
+                             job_dir=root.parent / "files")
+    summary = sdk.TrainSummary(final_step=int(done.get("step") or 0), checkpoints=list(done.get("checkpoints") or []))
+    if report is not None:  # every rank, once: Ray Train's result holds the script's last step
+        report({"step": summary.final_step, "loss": done.get("loss"), "world_size": world_size}, None)
+    log.info("rank %d (node %s) script finished at step %d", rank, node, summary.final_step)
     return summary

@@ -81,6 +81,9 @@ class RankContext:
     """This rank's one-shot fault file (:func:`controller.settings.fault_file_path`); None: no fault injection."""
     cache_dir: Path | None = None
     """Data cache directory for code that wants one (the GPT example's corpus); None: its default."""
+    optimizer_hooks: bool = True
+    """Register torch's global optimizer-step hooks (marked steps' optimizer phase, unmarked code's steps);
+    False: whoever made the context forwards them (a launched script, :mod:`vigil.launch`)."""
     live: Any = None
     """Live recovery (:class:`vigil.live.LiveReplica`): this rank is a torchft replica; None: the
     usual process group under Ray Train."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
@@ -96,8 +97,9 @@ class Session:
             self._watch = Watcher(self._idle, self._progress_sample, send_progress,
                                   exclude=self.checkpointer.group_names(), world_size=self.world_size,
                                   on_stall=lambda: self._ship_held(force=True)).start()
-        self._hooks.append(register_optimizer_step_pre_hook(self._torch_optimizer_pre))
-        self._hooks.append(register_optimizer_step_post_hook(self._torch_optimizer_post))
+        if ctx.optimizer_hooks:
+            self._hooks.append(register_optimizer_step_pre_hook(self._torch_optimizer_pre))
+            self._hooks.append(register_optimizer_step_post_hook(self._torch_optimizer_post))
 
     # -- the world ---------------------------------------------------------------------------------
 
@@ -356,6 +358,12 @@ class Session:
         """After the user's code returned on every rank: wait for the checkpoint in flight, make the
         final report if the last step made none, release the process groups."""
         if self.closed:
+            return
+        if self.world_size > 1 and not dist.is_initialized():
+            # The code destroyed its process group itself (a torchrun script's last line): nothing
+            # collective is possible any more; send what is held and let go.
+            self._ship_held(force=True)
+            self.abort()
             return
         self.closed = True
         self._stop_watch()
