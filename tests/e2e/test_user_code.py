@@ -34,6 +34,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 100
 CKPT = 10
+UNMARKED = {"torchrun_script", "ray_train_unchanged"}
+"""Examples with no Vigil call at all: their optimizer steps them."""
 
 # The user's code: nothing in it is Vigil's but the `vigil.*` calls. A data loader that takes ~40 ms a
 # batch makes the steps long enough for a fault to land mid-run.
@@ -163,11 +165,13 @@ def _finish(client: VigilClient, job_id: str, timeout: float = 360) -> None:
     assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
 
 
-def _assert_telemetry(client: VigilClient, job_id: str, steps: int) -> None:
+def _assert_telemetry(client: VigilClient, job_id: str, steps: int, first: int = 1) -> None:
+    """Every rank's steps ``first``..``steps`` and the gradients' collectives in the API. Code that does not
+    mark its steps is stepped by its optimizer, whose first step only starts the clock (``first`` 2)."""
     metrics = client.job_metrics(job_id, max_points=100_000)
     assert sorted(s.rank for s in metrics.ranks) == [0, 1], "step samples must arrive from every rank"
     for series in metrics.ranks:
-        assert set(range(1, steps + 1)) <= set(series.step), f"rank {series.rank} misses steps"
+        assert set(range(first, steps + 1)) <= set(series.step), f"rank {series.rank} misses steps"
     coll = client.job_collectives(job_id)
     # Vigil's optimizers' gradients ("grads"), or torch's own DDP buckets read from its Flight Recorder
     grads = [c for c in coll.data if (c.op, c.tag) in (("all_reduce", "grads"), ("all_reduce", CAPTURED_TAG))]
@@ -230,7 +234,7 @@ def test_every_example_submits_with_its_folder_and_succeeds(
     job_id = _vigil_submit(cluster, folder / "job.yaml", folder)
     _finish(client, job_id)
     spec = client.get_job(job_id).spec
-    _assert_telemetry(client, job_id, spec.steps)
+    _assert_telemetry(client, job_id, spec.steps, first=2 if example in UNMARKED else 1)
 
 
 # A project whose modules bear the most common names of training projects, on plain torch DDP and AdamW:
@@ -336,3 +340,88 @@ def test_plain_ddp_project_with_common_module_names_is_watched_through_torchs_co
     late = [c for c in coll.raw if at + 5 < c.step < hang_at and c.op == "all_reduce" and c.group == "world"]
     wait = {r: sum(c.wait_s for c in late if c.rank == r) for r in (0, 1)}
     assert wait[0] > 3 * wait[1], wait
+
+
+def _torchrun_job(tmp_path: Path, cluster: LocalCluster, name: str, args: str, policy: str) -> str:
+    spec = {"name": name, "entrypoint": f"python train.py {args}",
+            "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": 150,
+            "recovery": {"policy": policy, "max_restarts": 3}}
+    spec_file = tmp_path / f"{name}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    return _vigil_submit(cluster, spec_file, ROOT / "examples" / "torchrun_script")
+
+
+def test_torchrun_script_as_it_is_shows_a_straggler_and_a_hang_by_collective(
+    cluster: LocalCluster, client: VigilClient, tmp_path: Path
+) -> None:
+    """The torchrun example, no Vigil import: steps from its optimizer, DDP's collectives from torch's Flight
+    Recorder, a slow rank named a straggler, a rank asleep in the script named by the collective rank 0
+    waits in."""
+    hang_at = 110
+    job_id = _torchrun_job(tmp_path, cluster, "torchrun-watch",
+                           f"--steps 150 --step-delay 0.04 --hang-rank 1 --hang-step {hang_at}", "observe")
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 15, 240, f"{job_id} to reach step 15")
+    at = (client.get_job(job_id).last_step or 15) + 10
+    client.inject_fault(job_id, FaultCreate(kind="slow_rank", rank=1, step=at, params={"factor": 4, "mode": "compute"}))
+
+    def hang() -> Any:
+        return next((i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.HANG
+                     and "collectives" in i.evidence), None)
+
+    inc = wait_for(hang, 300, f"{job_id}'s hang to be diagnosed", 2)
+    found = inc.evidence["collectives"]
+    assert found["not_entered"] == [1] and found["waiting_in"]["op"] == "all_reduce", found
+    assert inc.rank == 1
+    stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
+    assert stragglers and stragglers[0].rank == 1, [(i.kind, i.rank) for i in client.job_incidents(job_id).data]
+    client.cancel_job(job_id)
+    metrics = client.job_metrics(job_id, max_points=100_000)
+    for series in metrics.ranks:
+        assert set(range(2, hang_at)) <= set(series.step), f"rank {series.rank} misses steps"
+        assert all(t is not None and t > 0 for t in series.step_time_s)
+    ddp = [c for c in client.job_collectives(job_id).data if (c.op, c.tag) == ("all_reduce", CAPTURED_TAG)]
+    assert ddp and ddp[0].estimated and max(ddp[0].ranks) == 2
+
+
+def test_torchrun_script_rank_killed_resumes_from_the_scripts_own_checkpoint(
+    cluster: LocalCluster, client: VigilClient, tmp_path: Path
+) -> None:
+    job_id = _torchrun_job(tmp_path, cluster, "torchrun-kill", "--steps 120 --step-delay 0.03 --checkpoint-every 20",
+                           "evict_restart")
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 30, 240, f"{job_id} to reach step 30")
+    client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 30) + 5))
+    _finish(client, job_id)
+    inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED]
+    assert inc and inc[0].rank == 1, inc
+    _assert_resumed_by_optimizer_count(client, job_id, every=20, last=120)
+
+
+def _assert_resumed_by_optimizer_count(client: VigilClient, job_id: str, *, every: int, last: int) -> None:
+    """AdamW's own count numbers the steps: after the restart they go on from the code's own checkpoint (a
+    multiple of ``every``), not from 1; the restarted process's first optimizer step starts its clock."""
+    series = next(s for s in client.job_metrics(job_id, max_points=100_000).ranks if s.rank == 0)
+    steps = [s for _, s in sorted(zip(series.ts, series.step, strict=True))]
+    back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[back] > every and (steps[back] - 2) % every == 0, steps[back - 3: back + 3]
+    assert max(steps) == last
+
+
+def test_ray_train_function_as_it_is_resumes_from_its_own_ray_train_checkpoint(
+    cluster: LocalCluster, client: VigilClient, tmp_path: Path
+) -> None:
+    """The Ray Train example (prepare_model, prepare_data_loader, get_checkpoint, report): a killed rank
+    restarts the group, which resumes from the function's own checkpoint; its collectives are DDP's."""
+    spec = yaml.safe_load((ROOT / "examples" / "ray_train_unchanged" / "job.yaml").read_text())
+    spec["config"] |= {"steps": 120, "checkpoint_every": 30}
+    spec["steps"] = 120
+    spec_file = tmp_path / "rt.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    job_id = _vigil_submit(cluster, spec_file, ROOT / "examples" / "ray_train_unchanged")
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 40, 240, f"{job_id} to reach step 40")
+    client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 40) + 5))
+    _finish(client, job_id)
+    inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED]
+    assert inc and inc[0].rank == 1, inc
+    _assert_resumed_by_optimizer_count(client, job_id, every=30, last=120)
+    ddp = [c for c in client.job_collectives(job_id).data if (c.op, c.tag) == ("all_reduce", CAPTURED_TAG)]
+    assert ddp and ddp[0].estimated and max(ddp[0].ranks) == 2

@@ -1,6 +1,6 @@
 """Step time of the same training job with rank telemetry on and off, interleaved in one run.
 
-``vigil bench overhead [--json] [--steps 1000] [--block 5] [--ranks 2]``
+``vigil bench overhead [--json] [--steps 1000] [--block 5] [--ranks 2] [--mode telemetry|captured]``
 
 The bundled GPT example on the rank API (:mod:`examples.gpt_pydoc.gpt_train`, DDP AdamW on the demo's byte-level GPT, gloo) runs
 on ``--ranks`` processes of this machine next to a real ``vigil agent`` process listening on the
@@ -20,6 +20,18 @@ machine barely disturbs.
 
 JSON (``--json``): ``{"step_time_on_s", "step_time_off_s", "ratio", "ratio_of_medians", "block_pairs",
 "send_s_per_step", "steps", "block", "ranks", "samples_sent", "samples_dropped", "mean_on_s", "mean_off_s"}``.
+
+``--mode captured``: the same alternation for the capture of code that keeps torch's own DDP and optimizer
+(:mod:`examples.ddp_plain`, whose collectives Vigil reads from torch's Flight Recorder, :mod:`vigil.capture`):
+in "on" blocks the session reads the recorder and sends the held steps with their collectives, in "off"
+blocks it sends each step at once without collectives (the recorder records in both: its size is set
+before the process group exists). Reported beside the ratio, ``mode: "captured"``, the CPU the capture
+took on rank 0 (``capture_cpu_us_per_step``, ``capture_cpu_us_per_collective``: thread CPU time inside the
+recorder's reads and the assignment of its entries to steps, over all steps and all collectives read: the
+recorder records in "off" blocks too and the next read takes their entries) and ``recorder_reads``. A
+read costs about 10 us per entry the ring *holds*, so the per-collective cost falls to its steady state
+(~1.25 entries' worth, :data:`vigil.capture.READ_FILL`) only over runs of many reads: use
+``--steps 3000`` or more.
 """
 
 from __future__ import annotations
@@ -96,6 +108,57 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any], sock: str, block: in
             "dropped": sink.inner.dropped_total}
 
 
+def _captured_rank(rank: int, world_size: int, steps: int, sock: str, block: int) -> dict[str, Any]:
+    """The DDP example under a session, capture on and off in alternate blocks of its steps (rank 0's
+    step boundaries marked by an optimizer-step hook of this benchmark)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from controller.schemas import JobCreate
+    from examples.ddp_plain.train import train_func
+    from vigil import sdk
+    from vigil.sdk import RankContext
+    from vigil.telemetry import RankTelemetry
+
+    marks: list[tuple[int, float, bool]] = []
+    state: dict[str, Any] = {"n": 0, "saved": None, "on_steps": 0, "cpu_on": 0.0}
+
+    def boundary(optimizer: Any, args: Any, kwargs: Any) -> None:
+        session = sdk._current
+        if session is None:
+            return
+        state["n"] += 1
+        n = state["n"]
+        on = ((n - 1) // block) % 2 == 0
+        marks.append((n, time.perf_counter(), on))
+        if state["saved"] is None:
+            state["saved"] = session.capture
+        state["on_steps"] += on
+        nxt = (n // block) % 2 == 0  # the mode of the next step
+        if nxt != on:  # the steps an "on" block held go out at the capture's next read, as they would
+            session.capture = state["saved"] if nxt else None
+
+    hook = register_optimizer_step_post_hook(boundary)
+    telemetry = RankTelemetry(sock)
+    spec = JobCreate.model_validate({"name": "bench-captured", "steps": steps, "checkpoint": {"interval_steps": 0},
+                                     "scaling": {"min_workers": world_size, "max_workers": world_size}})
+    session_box: list[Any] = []
+    try:
+        def run(config: dict[str, Any]) -> None:
+            session_box.append(sdk.get_session())
+            train_func(config)
+
+        sdk.run(run, RankContext(rank=rank, world_size=world_size, job_id="job_overhead", telemetry=telemetry), spec,
+                {"width": 128, "batch_size": 64})
+    finally:
+        hook.remove()
+        telemetry.close()
+    session = session_box[0]
+    cap = state["saved"]
+    return {"marks": marks, "send_s": [0.0], "sent": telemetry.sent_total, "dropped": telemetry.dropped_total,
+            "ship_cpu_s": session.ship_cpu_s, "reads": cap.reads if cap is not None else 0,
+            "captured": cap.captured if cap is not None else 0, "on_steps": state["on_steps"]}
+
+
 def _wait_socket(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -129,10 +192,13 @@ def summarize(marks: list[tuple[int, float, bool]], block: int) -> dict[str, flo
             "ratio": statistics.median(ratios), "pairs": len(ratios)}
 
 
-def run(steps: int, block: int, ranks: int, timeout: float) -> dict[str, Any]:
+def run(steps: int, block: int, ranks: int, timeout: float, mode: str = "telemetry") -> dict[str, Any]:
     from vigil.bench.ranks import run_ranks
+    from vigil.capture import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
 
     spec = {**SPEC, "steps": steps, "scaling": {"min_workers": ranks, "max_workers": ranks}}
+    if mode == "captured":  # the ranks' process groups are made after this: the recorder records
+        os.environ.setdefault(FR_BUFFER_ENV, str(FR_BUFFER_DEFAULT))
     tmp = Path(tempfile.mkdtemp(prefix="vob-", dir="/tmp"))  # short: unix socket paths are limited
     sock = tmp / "agent.sock"
     with socket.socket() as s:  # a port nobody listens on: the agent spools what it receives
@@ -146,7 +212,10 @@ def run(steps: int, block: int, ranks: int, timeout: float) -> dict[str, Any]:
     )
     try:
         _wait_socket(sock, agent)
-        results = run_ranks(ranks, _rank, spec, str(sock), block, timeout=timeout)
+        if mode == "captured":
+            results = run_ranks(ranks, _captured_rank, steps, str(sock), block, timeout=timeout)
+        else:
+            results = run_ranks(ranks, _rank, spec, str(sock), block, timeout=timeout)
     finally:
         agent.terminate()
         try:
@@ -156,7 +225,15 @@ def run(steps: int, block: int, ranks: int, timeout: float) -> dict[str, Any]:
             agent.wait(5)
         shutil.rmtree(tmp, ignore_errors=True)
     out = summarize(results[0]["marks"], block)
-    return {
+    extra: dict[str, Any] = {"mode": mode}
+    if mode == "captured":
+        r0 = results[0]
+        # Every step's collectives are read (the recorder records in "off" blocks too; the next read takes
+        # them): the reads' CPU is spread over all steps.
+        extra |= {"capture_cpu_us_per_step": round(r0["ship_cpu_s"] / max(1, steps) * 1e6, 1),
+                  "capture_cpu_us_per_collective": round(r0["ship_cpu_s"] / max(1, r0["captured"]) * 1e6, 2),
+                  "collectives_captured": r0["captured"], "recorder_reads": r0["reads"]}
+    return extra | {
         "step_time_on_s": round(out["step_time_on_s"], 6), "step_time_off_s": round(out["step_time_off_s"], 6),
         "ratio": round(out["ratio"], 4), "ratio_of_medians": round(out["step_time_on_s"] / out["step_time_off_s"], 4),
         "block_pairs": out["pairs"], "send_s_per_step": round(statistics.fmean(results[0]["send_s"]), 7),
@@ -174,18 +251,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=5, help="steps per on/off block (default 5)")
     ap.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+    ap.add_argument("--mode", choices=("telemetry", "captured"), default="telemetry",
+                    help="telemetry: the GPT example's telemetry on/off; captured: the plain DDP example's "
+                    "collective capture (torch's Flight Recorder) on/off")
     args = ap.parse_args(argv)
     if args.block < 1 or args.steps < 6 * args.block:
         ap.error("need --block >= 1 and --steps >= 6 x --block (two warm-up blocks, then both modes twice)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    result = run(args.steps, args.block, args.ranks, args.timeout)
+    result = run(args.steps, args.block, args.ranks, args.timeout, args.mode)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(f"telemetry on {result['step_time_on_s'] * 1e3:.2f} ms/step, off {result['step_time_off_s'] * 1e3:.2f} "
               f"ms/step: ratio {result['ratio']:.4f} ({result['samples_sent']} samples sent, "
-              f"{result['samples_dropped']} dropped)")
+              f"{result['samples_dropped']} dropped)"
+              + (f"; capture {result['capture_cpu_us_per_step']} us CPU/step" if args.mode == "captured" else ""))
     return 0
 
 

@@ -88,6 +88,9 @@ class Session:
         self._held: list[tuple[StepSample, list[CollectiveRecord], Window, bool]] = []
         self._shipped_step = 0
         self._ship_lock = threading.Lock()
+        self.ship_cpu_s = 0.0
+        """CPU seconds spent reading the Flight Recorder and assigning its entries to steps (what capture costs;
+        the collective samples it adds are sent as every sample is)."""
         self._vigil_optimizer = False
         self._auto = AutoSteps(self)
         self._last_end = time.monotonic()
@@ -268,16 +271,19 @@ class Session:
 
     def _ship_held_locked(self, force: bool) -> None:
         cap = self.capture
-        if not self._held or (cap is not None and not force and not cap.due()):
+        if not self._held or (cap is not None and not force and not cap.due(len(self._held))):
             return
         held, self._held = self._held, []
         captured: dict[int, list[CollectiveRecord]] = {}
         if cap is not None:
+            t = time.thread_time()
             found = cap.read()
             recs, later = assign(found, [h[2] for h in held], before_first=self._shipped_step)
             cap.hold(later)
+            cap.observed(len(held))
             for r in recs:
                 captured.setdefault(r.step, []).append(r)
+            self.ship_cpu_s += time.thread_time() - t
         for i, (sample, records, w, marked) in enumerate(held):
             mine = captured.pop(w.step, [])
             if i == 0:  # calls of steps already sent (start-up, between steps) ride with the first
