@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import runpy
 import sys
 import tempfile
@@ -152,6 +153,9 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
         extra["report"] = report
     if preemption_pending is not None:
         extra["preemption_pending"] = preemption_pending
+    from vigil.launch import JOB_DIR_ENV
+
+    os.environ[JOB_DIR_ENV] = str(Path(root).parent / "files")  # the code's own files, every rank, every start
     if entry.is_script and live is None:
         return run_script_rank(config, spec, entry, rank, world_size, node=node, run_dir=run_dir, root=Path(root),
                                restore_dir=restore_dir, report=report)
@@ -182,8 +186,6 @@ def run_script_rank(config: dict[str, Any], spec: JobCreate, entry: Entrypoint, 
     """A script entry point on this rank: a child process with torchrun's environment (:mod:`vigil.launch`).
     Rank 0 picks the children's rendezvous port on its node and tells the others through the process group
     Ray Train made (which the children do not use: they make their own, as under torchrun)."""
-    import os
-
     import ray.train
     import torch.distributed as dist
 
