@@ -40,6 +40,7 @@ from controller.schemas import (
     RankStepsPublic,
     StepHeatmapPublic,
 )
+from dashboard.collectives_view import estimated_tags, mark_estimated
 
 WAITING_TEXT = "waiting for data"
 HEATMAP_MAX_STEPS = 1000
@@ -519,11 +520,13 @@ class KindStats:
     """Wire bytes per rank over the transfer time (None: no transfer time)."""
     bits_per_element: float | None
     """Wire bits per model element communicated (None: no elements reported)."""
+    estimated: bool = False
+    """Bytes estimated from the op and sizes (captured from torch), not counted: the label says so."""
 
     @property
     def label(self) -> str:
         base = f"{self.op}/{self.tag}" if self.tag else self.op
-        return base if self.group in ("", "world") else f"{base} [{self.group}]"
+        return mark_estimated(base if self.group in ("", "world") else f"{base} [{self.group}]", self.estimated)
 
 
 def collective_stats(coll: JobCollectivesPublic | None) -> list[KindStats]:
@@ -546,7 +549,7 @@ def collective_stats(coll: JobCollectivesPublic | None) -> list[KindStats]:
             payload_bytes_per_rank=sum(p / max(r, 1) for p, r in zip(c.payload_bytes, c.ranks, strict=False)) / n,
             wire_bytes_per_rank=sum(wire_pr) / n,
             bandwidth_bytes_per_s=sum(wire_pr) / transfer if transfer > 0 else None,
-            bits_per_element=sum(c.wire_bytes) * 8 / elements if elements > 0 else None,
+            bits_per_element=sum(c.wire_bytes) * 8 / elements if elements > 0 else None, estimated=c.estimated,
         ))
     return sorted(out, key=lambda k: -(k.p50_s * k.steps))
 
@@ -586,8 +589,8 @@ def collective_wait_figure(stats: Sequence[KindStats], revision: str | None = No
 def collective_bandwidth_figure(stats: Sequence[KindStats], revision: str | None = None) -> go.Figure:
     """Per kind: achieved bandwidth per rank, wire bytes over transfer time (GB/s)."""
     shown = [k for k in stats if k.bandwidth_bytes_per_s is not None]
-    if not shown:
-        return empty_figure("Achieved bandwidth")
+    if not shown:  # collectives without a transfer time are data, not a wait for it
+        return empty_figure("Achieved bandwidth", "no transfer time measured" if stats else WAITING_TEXT)
     fig = go.Figure(go.Bar(x=[k.label for k in shown], y=[round_sig(k.bandwidth_bytes_per_s / 1e9) for k in shown],
                            name="GB/s per rank", marker={"color": "#17becf"}))
     return _layout(fig, "Achieved bandwidth (wire bytes / transfer time)", "collective (op/tag)", "GB/s per rank",
@@ -614,16 +617,18 @@ def bits_per_element_by_tag(coll: JobCollectivesPublic | None) -> dict[str, tupl
 
 def bits_per_element_figure(coll: JobCollectivesPublic | None) -> go.Figure:
     """Wire bits per parameter per step, one line per tag (grads, weights, push, ...), with fp32 (32)
-    as the reference: what the compressed optimizers save."""
+    as the reference: what the compressed optimizers save. A tag whose bytes are estimated is named so."""
     series = bits_per_element_by_tag(coll)
     if not series:
-        return empty_figure("Bits per parameter")
+        return empty_figure("Bits per parameter", "no parameter counts reported" if coll and coll.data else WAITING_TEXT)
     assert coll is not None
+    est = estimated_tags(coll)
     fig = go.Figure([go.Scatter(x=xs, y=[round_sig(v) for v in ys], mode="lines+markers" if len(xs) == 1 else "lines",
-                                name=tag) for tag, (xs, ys) in series.items()])
+                                name=mark_estimated(tag, tag in est)) for tag, (xs, ys) in series.items()])
     fig.add_hline(y=32, line={"dash": "dot", "color": "#888"}, annotation_text="fp32")
     return _layout(fig, "Wire bits per parameter per step, by tag", "step", "bits / parameter", coll.job_id,
-                   yaxis={"title": {"text": "bits / parameter"}, "rangemode": "tozero"})
+                   yaxis={"title": {"text": "bits / parameter"}, "rangemode": "tozero"},
+                   showlegend=True)  # a lone tag is named too (estimated or not)
 
 
 # -- Incidents ---------------------------------------------------------------------------------------

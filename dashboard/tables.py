@@ -403,7 +403,7 @@ SLOWEST_COLUMNS: list[dict[str, Any]] = [
     {"field": "flag", "headerName": "", "maxWidth": 110},
 ]
 COLLECTIVE_COLUMNS: list[dict[str, Any]] = [
-    {"field": "kind", "headerName": "collective"},
+    {"field": "kind", "headerName": "collective", "minWidth": 220},  # op/tag [group] (est.) in full
     {"field": "calls_per_step", "headerName": "calls / step"},
     {"field": "p50_s", "headerName": "p50 (s)"},
     {"field": "max_s", "headerName": "max (s)"},
@@ -557,6 +557,9 @@ def timeline_text(phases: Mapping[str, datetime]) -> str:
 def _evidence_value(value: Any) -> str:
     if isinstance(value, float):
         return fmt_float(value, 4)
+    if isinstance(value, Mapping) and isinstance(value.get("summary"), str):  # a finding with its own line
+        text = value["summary"]  # (a hang's "collectives")
+        return text if len(text) <= 300 else text[:297] + "..."
     if isinstance(value, Mapping | list):
         text = json.dumps(value, default=str)
         return text if len(text) <= 300 else text[:297] + "..."
@@ -633,10 +636,11 @@ ROW_STYLE = {"display": "flex", "flexWrap": "wrap", "gap": "8px", "margin": 0}
 
 
 def incident_card(inc: IncidentPublic, phases: Mapping[str, datetime], fault: FaultPublic | None = None,
-                  stacks: StacksPublic | None = None) -> Any:
+                  stacks: StacksPublic | None = None, collectives: Any = None) -> Any:
     """One incident: what and where, its timeline (fault -> detected -> acted -> recovered), the
-    action, the evidence, and for a diagnosed hang the grouped stacks (``stacks``) with the odd rank's
-    against the majority's."""
+    action, the evidence, and for a diagnosed hang where each rank stands in its collectives
+    (``collectives``: :func:`dashboard.collectives_view.hang_collectives_view`, in place of its evidence
+    row) above the grouped stacks (``stacks``) with the odd rank's against the majority's."""
     body: list[Any] = [
         html.Div([html.B("timeline: "), timeline_text(phases) or DASH], className="vigil-incident-timeline"),
         html.Div([html.B("action: "), inc.action or "none yet"], className="vigil-incident-action"),
@@ -647,7 +651,10 @@ def incident_card(inc: IncidentPublic, phases: Mapping[str, datetime], fault: Fa
                              + (f" (hit step {fault.hit_step})" if fault.hit_step not in (None, fault.step) else "")]))
     if inc.step_at_detect is not None:
         body.append(html.Div([html.B("step at detection: "), str(inc.step_at_detect)]))
-    body.append(html.Details([html.Summary("evidence"), evidence_table(inc.evidence)], open=True))
+    skip = ("stack_groups", "collectives") if collectives is not None else ("stack_groups",)
+    body.append(html.Details([html.Summary("evidence"), evidence_table(inc.evidence, skip)], open=True))
+    if collectives is not None:
+        body.append(collectives)
     if stacks is not None and stacks.groups:
         body.append(stack_comparison(stacks, inc.evidence))
     elif inc.evidence.get("stack_groups"):

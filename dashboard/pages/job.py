@@ -9,9 +9,11 @@ one tab per question:
 * **Step breakdown**: data / forward+backward / optimizer / communication / waiting, stacked per
   step (job-wide or the selected rank) and per rank;
 * **Communication**: per kind of collective, p50/max time, wait vs transfer, achieved bandwidth,
-  and wire bits per parameter per step by tag;
-* **Incidents**: each with its timeline, action and evidence; a hang's grouped py-spy stacks with
-  the odd rank's against the majority's;
+  and wire bits per parameter per step by tag; kinds whose bytes are estimated (captured from torch's
+  Flight Recorder) marked ``(est.)``, with a line saying why;
+* **Incidents**: each with its timeline, action and evidence; a hang's place in the collectives (who
+  waits where, who never entered; one row per rank) above its grouped py-spy stacks with the odd
+  rank's against the majority's;
 * **Checkpoints**: valid / invalid (and why), size, which one each restart restored;
 * **Goodput**: productive time against the time lost per cause, and the ETTR;
 * **Events**: the job's recent events.
@@ -39,7 +41,7 @@ from dash import Input, Output, State, callback, ctx, dcc, html
 
 from controller.client import ApiError, VigilClient
 from controller.schemas import IncidentKind
-from dashboard import figures, job_views
+from dashboard import collectives_view, figures, job_views
 from dashboard.actions import job_actions_panel
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.job_views import Cursor
@@ -131,6 +133,7 @@ def _tabs() -> dcc.Tabs:
                 _row(_graph("breakdown-step", "Step breakdown"), _graph("breakdown-rank", "Time per rank")),
             ]),
             _tab("Communication", "communication", [
+                html.Div(id="job-detail-coll-note"),
                 _row(_graph("coll-time", "Time in collectives"), _graph("coll-wait", "Wait vs transfer")),
                 _row(_graph("coll-bandwidth", "Achieved bandwidth"), _graph("coll-bits", "Bits per parameter")),
                 grid("job-detail-collectives", COLLECTIVE_COLUMNS, row_id="kind"),
@@ -282,7 +285,7 @@ TAB_OUTPUTS: dict[str, list[tuple[str, str]]] = {
     "breakdown": [("job-detail-breakdown-step", "figure"), ("job-detail-breakdown-rank", "figure")],
     "communication": [("job-detail-coll-time", "figure"), ("job-detail-coll-wait", "figure"),
                       ("job-detail-coll-bandwidth", "figure"), ("job-detail-coll-bits", "figure"),
-                      ("job-detail-collectives", "rowData")],
+                      ("job-detail-collectives", "rowData"), ("job-detail-coll-note", "children")],
     "incidents": [("job-detail-incident-timeline", "figure"), ("job-detail-incidents", "children")],
     "checkpoints": [("job-detail-checkpoint-figure", "figure"), ("job-detail-checkpoints", "rowData")],
     "goodput": [("job-detail-goodput", "children"), ("job-detail-goodput-figure", "figure")],
@@ -333,7 +336,7 @@ def _communication_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: i
     stats = figures.collective_stats(coll)
     return [figures.collective_time_figure(stats, job_id), figures.collective_wait_figure(stats, job_id),
             figures.collective_bandwidth_figure(stats, job_id), figures.bits_per_element_figure(coll),
-            collective_rows(stats)]
+            collective_rows(stats), collectives_view.estimated_note(coll)]
 
 
 def _incidents_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | None) -> list[Any]:
@@ -348,7 +351,8 @@ def _incidents_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int |
         fault = job_views.cause_fault(inc, faults)
         phases = job_views.incident_phases(inc, fault)
         timelines.append((inc, phases))
-        cards.append(incident_card(inc, phases, fault, stacks if inc.id == newest_hang else None))
+        where = collectives_view.hang_collectives_view(inc.evidence, f"job-detail-hang-collectives-{inc.id}")
+        cards.append(incident_card(inc, phases, fault, stacks if inc.id == newest_hang else None, where))
     body = list(reversed(cards)) or [html.Div("no incidents", style={"color": "#888"})]
     return [figures.incident_timeline_figure(timelines), body]
 

@@ -1,13 +1,17 @@
 """Wire-schema values of the job page's views for the unit tests of its pure functions: the overview,
-the binned heatmap, step and collective series, incidents, faults, checkpoints, stacks, goodput.
+the binned heatmap, step and collective series, incidents, faults, checkpoints, stacks, goodput, a
+hang's collective evidence.
 
-Plain :mod:`controller.schemas` objects built in memory with known numbers (no server).
+Plain :mod:`controller.schemas` objects built in memory with known numbers (no server); the hang's
+evidence is built by the controller's own pure functions (``controller/recovery/collectives.py``).
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+from controller.recovery import collectives as hang_collectives
 from controller.schemas import (
     CheckpointPublic,
     CollectiveSeriesPublic,
@@ -27,6 +31,7 @@ from controller.schemas import (
     StackGroup,
     StacksPublic,
     StepHeatmapPublic,
+    bytes_estimated,
 )
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -96,7 +101,7 @@ def collective(op: str, tag: str, steps: range, *, ranks: int = 4, p50: float = 
     xs = list(steps)
     n = len(xs)
     return CollectiveSeriesPublic(
-        op=op, group=group, tag=tag, step=xs, ts=[TS0 + s for s in xs], final=[True] * n, calls=[1] * n,
+        op=op, group=group, tag=tag, estimated=bytes_estimated(tag), step=xs, ts=[TS0 + s for s in xs], final=[True] * n, calls=[1] * n,
         ranks=[ranks] * n, p50_s=[p50] * n, max_s=[mx] * n, min_s=[transfer] * n, slowest_rank=[slowest] * n,
         transfer_s=[transfer] * n, wait_p50_s=[wait_p50] * n, wait_max_s=[wait_max] * n,
         most_waiting_rank=[0] * n, payload_bytes=[wire_per_rank * ranks] * n, wire_bytes=[wire_per_rank * ranks] * n,
@@ -159,3 +164,20 @@ def goodput(job_id: str = "job") -> GoodputPublic:
                          lost_s={"startup": 10.0, "restart": 20.0, "lost_steps": 12.0, "checkpoint": 3.0, "hang": 5.0,
                                  "other": 0.0},
                          ettr=0.75, restarts=1, steps_rerun=9)
+
+
+def hang_evidence(ranks: int = 4, late: int = 1, seq: int = 82) -> dict[str, Any]:
+    """The ``collectives`` of a hang's evidence, as the controller's diagnosis writes it: every rank but
+    ``late`` inside ``all_reduce #seq`` of the world (done with ``#seq - 1``); ``late`` never entered it,
+    idle since ``#seq - 1`` with nothing in flight."""
+    reports: dict[int, dict[str, Any]] = {}
+    for r in range(ranks):
+        inside = r != late
+        reports[r] = {"step": 40 if inside else 39, "idle_s": 31.25 if inside else 32.5, "state": {
+            "groups": [{"group": "world", "last_enqueued": seq if inside else seq - 1, "last_completed": seq - 1}],
+            "in_flight": [{"group": "world", "seq": seq, "op": "all_reduce", "enqueued_ts": TS0 + r}] if inside else [],
+            "last_done": {"group": "world", "seq": seq - 1, "op": "all_reduce"},
+        }}
+    found = hang_collectives.analyse(reports)
+    assert found is not None
+    return {**found, "summary": hang_collectives.summary(found)}

@@ -4,11 +4,17 @@
 ``node-a`` ranks 0-5, ``node-b`` ranks 6-11) whose ranks report steps 0-29 with their breakdown and
 two kinds of collective (``all_reduce/grads`` at 32 bits per parameter, ``all_gather/weights`` at 4),
 rank 5 a straggler (0.5 s steps against 0.1 s); checkpoints at steps 10, 20 and 28; a ``hang_rank``
-fault on rank 7 fired at step 29. Then the job stops stepping: the controller's monitor detects the
-hang, asks both nodes' agents for py-spy stacks, which answer (rank 7 stopped in ``forward``, the
-others waiting in ``all_reduce``), and acts on the odd rank out. The checkpoint at step 28 is then
+fault on rank 7 fired at step 29. Then the job stops stepping: the ranks' watchers report where they
+stand in their collectives (rank 7 never entered the all-reduce the others wait in), the controller's
+monitor detects the hang, asks both nodes' agents for py-spy stacks, which answer (rank 7 stopped in
+``forward``, the others waiting in ``all_reduce``), and acts on rank 7. The checkpoint at step 28 is then
 reported corrupt, and the ranks, restarted from step 20, re-run steps 21-39; the monitor sees the
-restart. Only Ray is faked (:mod:`tests.live_controller`); every sample, stack and answer goes
+restart.
+
+:func:`seed_torch_only` stores a small job whose only collectives are torch's own (tag
+:data:`~controller.schemas.CAPTURED_TAG`, bytes estimated), as :mod:`vigil.capture` reports them.
+
+Only Ray is faked (:mod:`tests.live_controller`); every sample, stack and answer goes
 through the REST API with the token an agent or an admin has.
 """
 
@@ -19,10 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.schemas import (
+    CAPTURED_TAG,
     CheckpointSample,
+    CollectiveRef,
     CollectiveSample,
     CommandResult,
+    GroupProgress,
     JobStatus,
+    ProgressSample,
     RankProcess,
     Role,
     StepSample,
@@ -99,6 +109,24 @@ def _checkpoint(job_id: str, step: int, ts: float, *, valid: bool = True, messag
                             message=message)
 
 
+HUNG_SEQ = 60
+"""The world's all-reduce the others wait in when rank 7 stops (two collectives a step: 60 after step 29)."""
+HANG_SUMMARY = f"wait in all_reduce #{HUNG_SEQ} of group world; rank {ODD} never entered it"
+"""What the hang's collective evidence says of rank 7 (``controller/recovery/collectives.py`` summary)."""
+
+
+def _progress(job_id: str, rank: int, ts: float) -> ProgressSample:
+    """Where ``rank`` stands while the job is stalled: inside the world's all-reduce :data:`HUNG_SEQ`,
+    except rank :data:`ODD`, which never entered it."""
+    inside = rank != ODD
+    last = HUNG_SEQ if inside else HUNG_SEQ - 1
+    return ProgressSample(
+        job_id=job_id, rank=rank, attempt=1, ts=ts, step=29, idle_s=1.2,
+        groups=[GroupProgress(group="world", last_enqueued=last, last_completed=HUNG_SEQ - 1)],
+        in_flight=[CollectiveRef(group="world", seq=HUNG_SEQ, op="all_reduce", enqueued_ts=ts - 1.2)] if inside else [],
+        last_done=CollectiveRef(group="world", seq=HUNG_SEQ - 1, op="all_reduce"))
+
+
 def _sleep_until(t: float) -> None:
     time.sleep(max(t - time.time(), 0.0))
 
@@ -129,6 +157,8 @@ def seed_diagnosis(ctl: LiveController, name: str = "diagnose-me") -> Diagnosis:
     ctl.inject_fault(job_id, "hang_rank", rank=ODD, step=29)
     ctl.monitor_pass()
     _sleep_until(t0 + DT * len(FIRST_RUN) + THRESHOLDS["hang_floor_s"] + 0.3)
+    for node, ranks in NODES.items():  # the ranks' watchers: where each stands in its collectives
+        ctl.post_batch(node, [_progress(job_id, r, time.time()) for r in ranks])
     ctl.monitor_pass()
     with ctl.client(Role.AGENT) as agent:
         for node, ranks in NODES.items():
@@ -156,3 +186,32 @@ def seed_diagnosis(ctl: LiveController, name: str = "diagnose-me") -> Diagnosis:
     restarts = [m.step for m in overview.markers if m.kind == "restart"]
     return Diagnosis(job_id=job_id, incident_id=incidents[0].id if incidents else None,
                      restart_step=restarts[0] if restarts else None)
+
+
+TORCH_STEPS = range(8)
+TORCH_RANKS = 2
+CAPTURED_SEQ = 1 << 30
+"""Where captured calls' ``seq`` starts (``vigil.capture.SEQ_BASE``; that module is not imported here)."""
+
+
+def seed_torch_only(ctl: LiveController, name: str = "plain-ddp") -> str:
+    """A 2-rank job whose steps come with torch's DDP all-reduce and a start-up broadcast only, both
+    read from the Flight Recorder (tag :data:`CAPTURED_TAG`); returns its id."""
+    job_id = ctl.submit_job(name, steps=100, scaling={"min_workers": TORCH_RANKS, "max_workers": TORCH_RANKS}).id
+    ctl.set_job_status(job_id, JobStatus.RUNNING)
+    t0 = time.time() - len(TORCH_STEPS) * 0.1
+    samples: list[Any] = []
+    for rank in range(TORCH_RANKS):
+        for step in TORCH_STEPS:
+            ts = t0 + 0.1 * (step + 1)
+            samples.append(StepSample(job_id=job_id, rank=rank, world_size=TORCH_RANKS, step=step, attempt=1, ts=ts,
+                                      loss=2.0, tokens=512, step_time_s=0.1, tokens_per_s=5120.0, comm_s=0.02))
+            calls = [("all_reduce", 1, 4 * ELEMENTS)] + ([("broadcast", 0, 4 * ELEMENTS)] if step == 0 else [])
+            for op, seq, payload in calls:
+                samples.append(CollectiveSample(
+                    job_id=job_id, rank=rank, step=step, attempt=1, seq=CAPTURED_SEQ + seq + 2 * step, op=op,
+                    group="world", tag=CAPTURED_TAG, payload_bytes=payload, wire_bytes=payload, elements=ELEMENTS,
+                    duration_s=0.01 + 0.002 * rank, ts=ts))
+    ctl.heartbeat("node-t", [RankProcess(job_id=job_id, rank=r, pid=2000 + r) for r in range(TORCH_RANKS)], samples)
+    ctl.app.state.telemetry.flush()
+    return job_id

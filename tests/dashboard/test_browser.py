@@ -35,11 +35,22 @@ def _drawn(page: Browser, graph_id: str) -> dict:
                          what=f"{graph_id} drawn")
 
 
+_ROWS_JS = """
+return Array.from(document.querySelectorAll(arguments[0])).map(r => [r.getAttribute(arguments[1]), r.innerText]);
+"""
+
+
+def _rows(page: Browser, selector: str, attr: str) -> list[tuple[str, str]]:
+    """``(attr, text)`` of the rows matching ``selector``, read at once: the page's polling may redraw
+    the rows between two reads of an element (a stale element)."""
+    return [(r[0], r[1]) for r in page.js(_ROWS_JS, selector, attr)]
+
+
 def test_jobs_list_shows_job_rows_linking_to_job_pages(page: Browser, dashboard_site: Site) -> None:
     abc, new = dashboard_site.demo.abc, dashboard_site.demo.new
     page.get(dashboard_site.dashboard)
-    (row,) = page.wait_css(f'tr[data-job-id="{abc}"]')
-    text = row.text
+    page.wait_css(f'tr[data-job-id="{abc}"]')
+    ((_, text),) = _rows(page, f'tr[data-job-id="{abc}"]', "data-job-id")
     # The last loss is rank 0's at step 19: 5 / (1 + 1.9).
     for expected in (abc, "pydoc-dsm", "RUNNING", "dsm", "19 / 100", "1.724"):
         assert expected in text, (expected, text)
@@ -123,8 +134,8 @@ def test_nodes_and_events_pages(page: Browser, dashboard_site: Site) -> None:
     stored = [e.id for e in reversed(dashboard_site.controller.events())]  # newest first
     page.css("#app-nav-events")[0].click()
     page.wait_css(f'tr[data-event-id="{stored[0]}"]')
-    rows = page.css("tr.vigil-event-row")
-    assert [int(r.get_attribute("data-event-id")) for r in rows] == stored  # all of them, newest first
-    (lost,) = [r for r in rows if "no heartbeat from node-2" in r.text]
-    assert "node_dead" in lost.text
+    rows = _rows(page, "tr.vigil-event-row", "data-event-id")
+    assert [int(event_id) for event_id, _ in rows] == stored  # all of them, newest first
+    (lost,) = [text for _, text in rows if "no heartbeat from node-2" in text]
+    assert "node_dead" in lost
     assert page.console_errors() == []

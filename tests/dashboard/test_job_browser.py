@@ -3,8 +3,10 @@
 Debian's headless Chromium (selenium) reads what a user sees on the job page of the dashboard mounted
 in the real controller (``dashboard_site``: uvicorn, SQLite), after :func:`tests.dashboard.job_seed.
 seed_diagnosis` told the controller, through its REST API, the story of a 12-rank job: rank 5 a
-straggler, a hang of rank 7 diagnosed from py-spy stacks, a corrupt checkpoint, a restart from step
-20. The controller's own monitor and aggregator did the rest (driven one pass at a time).
+straggler, a hang of rank 7 diagnosed from its place in the collectives and py-spy stacks, a corrupt
+checkpoint, a restart from step 20. The controller's own monitor and aggregator did the rest (driven one
+pass at a time). A second job's only collectives are torch's own, their bytes estimated
+(:func:`tests.dashboard.job_seed.seed_torch_only`).
 
 Needs: ``apt-get install -y chromium chromium-driver`` (skipped without), selenium, uvicorn, a2wsgi.
 """
@@ -16,9 +18,19 @@ from typing import Any
 
 import pytest
 
+from dashboard.collectives_view import ESTIMATED_NOTE
+from dashboard.figures import WAITING_TEXT
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
-from tests.dashboard.job_seed import CORRUPT, ODD, SLOW, Diagnosis, seed_diagnosis
+from tests.dashboard.job_seed import (
+    CORRUPT,
+    HANG_SUMMARY,
+    ODD,
+    SLOW,
+    Diagnosis,
+    seed_diagnosis,
+    seed_torch_only,
+)
 
 _TRACE_Y_JS = """
 const root = document.getElementById(arguments[0]);
@@ -43,6 +55,19 @@ def diag(page: Browser, dashboard_site: Site) -> Iterator[tuple[Browser, Diagnos
     page.get(f"{dashboard_site.dashboard}jobs/{d.job_id}")
     page.wait_for(lambda: "diagnose-me" in (page.text("job-detail-header") or ""), what="the job's header")
     yield page, d
+
+
+_HANG_JS = """
+const root = document.getElementById(arguments[0]);
+const stacks = document.getElementById('job-detail-stacks');
+if (!root || !stacks) { return null; }
+const bold = root.querySelector('.vigil-hang-summary b');
+return {
+  summary: bold ? bold.innerText : null,
+  rows: Array.from(root.querySelectorAll('.vigil-hang-rank')).map(r => [r.dataset.rank, r.innerText]),
+  above_stacks: root.getBoundingClientRect().bottom <= stacks.getBoundingClientRect().top,
+};
+"""
 
 
 def _open_tab(page: Browser, tab: str) -> None:
@@ -151,6 +176,7 @@ def test_straggler_is_named_highlighted_and_its_breakdown_shown(diag: tuple[Brow
     kinds = page.wait_for(lambda: [r.get_attribute("row-id") for r in _grid_rows(page, "job-detail-collectives")],
                           what="collectives grid")
     assert sorted(kinds) == ["all_gather/weights", "all_reduce/grads"]
+    assert not page.text("job-detail-coll-note")  # Vigil counted these bytes: nothing estimated
     assert page.console_errors() == []
 
 
@@ -159,6 +185,12 @@ def test_hang_stacks_checkpoints_and_goodput(diag: tuple[Browser, Diagnosis]) ->
     _open_tab(page, "incidents")
     card = page.wait_css(f"#job-detail-incident-{d.incident_id}")[0]
     text = card.text
+    # Where each rank stands in its collectives, above the stacks: rank 7 never entered the all-reduce.
+    where = page.wait_for(lambda: page.js(_HANG_JS, f"job-detail-hang-collectives-{d.incident_id}"),
+                          what="the hang's collectives")
+    assert HANG_SUMMARY in where["summary"], where
+    assert [r for r, text in where["rows"] if "never entered" in text] == [str(ODD)] and len(where["rows"]) == 12
+    assert where["above_stacks"], where
     for expected in ("hang", "RECOVERED", "rank 7", "fault ", "detected +", "acted +", "recovered +",
                      "killed hung rank(s) [7]", "injected fault", "hang_rank rank 7 at step 29"):
         assert expected in text, (expected, text)
@@ -186,4 +218,23 @@ def test_hang_stacks_checkpoints_and_goodput(diag: tuple[Browser, Diagnosis]) ->
     assert "1 restart" in page.text("job-detail-goodput")
     goodput = _graph_with_data(page, "job-detail-goodput-figure")
     assert goodput["traces"][0]["x"][0] == "productive"
+    assert page.console_errors() == []
+
+
+def test_torch_only_collectives_are_drawn_and_marked_estimated(page: Browser, dashboard_site: Site) -> None:
+    job_id = seed_torch_only(dashboard_site.controller)
+    page.get(f"{dashboard_site.dashboard}jobs/{job_id}")
+    page.wait_for(lambda: "plain-ddp" in (page.text("job-detail-header") or ""), what="the job's header")
+    _open_tab(page, "communication")
+    kinds = page.wait_for(lambda: sorted(r.get_attribute("row-id") for r in _grid_rows(page, "job-detail-collectives")),
+                          what="collectives grid")
+    assert kinds == ["all_reduce/torch (est.)", "broadcast/torch (est.)"]
+    graphs = ("job-detail-coll-time", "job-detail-coll-wait", "job-detail-coll-bandwidth", "job-detail-coll-bits")
+    drawn = {g: _graph_with_data(page, g) for g in graphs}
+    assert all(WAITING_TEXT not in d["annotations"] for d in drawn.values()), drawn
+    assert set(drawn["job-detail-coll-time"]["traces"][0]["x"]) == {"all_reduce/torch (est.)",
+                                                                    "broadcast/torch (est.)"}
+    assert [t["name"] for t in drawn["job-detail-coll-bits"]["traces"]] == ["torch (est.)"]
+    assert page.wait_for(lambda: page.text("job-detail-coll-note"), what="the note") == ESTIMATED_NOTE
+    assert WAITING_TEXT not in page.text("job-detail-tab-communication")
     assert page.console_errors() == []
