@@ -55,11 +55,23 @@ def analyse(reports: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
             "not_entered": not_entered, "ranks": ranks}
 
 
+def ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2, 5, 7-8``: a 10,000-rank job's list stays one short line."""
+    out: list[str] = []
+    for r in sorted(set(ranks)):
+        if out and "-" not in out[-1] and int(out[-1]) == r - 1:
+            out[-1] = f"{out[-1]}-{r}"
+        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == r - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
+
+
 def summary(found: Mapping[str, Any]) -> str:
     """One line for a person: who waits where, and for whom."""
     w = found["waiting_in"]
     late = found["not_entered"]
-    who = (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} never entered it" if late
+    who = (f"rank{'s' if len(late) > 1 else ''} {ranges(late)} never entered it" if late
            else "every rank entered it (a transport stall, not a missing rank)")
-    return (f"ranks {', '.join(map(str, found['waiting_ranks']))} wait in {w['op']} #{w['seq']} of group "
-            f"{w['group']}; {who}")
+    return f"ranks {ranges(found['waiting_ranks'])} wait in {w['op']} #{w['seq']} of group {w['group']}; {who}"

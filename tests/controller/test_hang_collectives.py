@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from controller.models import RankProgress
-from controller.recovery.collectives import analyse, summary
+from controller.recovery.collectives import analyse, ranges, summary
 from tests.controller.test_exactly_once import _job, _post
 from tests.controller.test_telemetry_aggregates import make_client
 
@@ -58,6 +58,14 @@ def test_a_subgroup_wait_names_only_that_groups_members_and_no_wait_names_nobody
     assert analyse(both)["not_entered"] == []  # type: ignore[index]
     assert analyse({0: {"step": 5, "idle_s": 9.0, "state": _state({"world": (7, 7)})}}) is None
     assert analyse({}) is None
+
+
+def test_rank_lists_read_as_ranges() -> None:
+    assert ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8" and ranges([3]) == "3" and ranges([]) == ""
+    found = {"waiting_in": {"group": "world", "seq": 9, "op": "all_reduce"}, "waiting_ranks": list(range(10_000)),
+             "not_entered": [4242]}
+    found["waiting_ranks"].remove(4242)
+    assert summary(found) == "ranks 0-4241, 4243-9999 wait in all_reduce #9 of group world; rank 4242 never entered it"
 
 
 @pytest.fixture
