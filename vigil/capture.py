@@ -49,6 +49,10 @@ FR_BUFFER_DEFAULT = 500
 """What Vigil sets for its ranks unless the environment has it: a dump of a full buffer costs ~5 ms."""
 READ_FILL = 0.8
 """Read once this share of the buffer is new (by the last read's rate of entries per step)."""
+READ_SOON_S = 1.0
+READ_SOON_FILL = 0.1
+"""After :data:`READ_SOON_S`, read once this share of the buffer is new: steps reach the controller within
+a second or two unless their collectives are too few to pay for a read of the whole ring."""
 READ_INTERVAL_S = 5.0
 """At most this long between two reads (a step's samples wait for the read that finds its collectives)."""
 SEQ_BASE = 1 << 30
@@ -285,10 +289,12 @@ class CollectiveCapture:
 
     def due(self, steps: int = 0) -> bool:
         """Whether to read now, ``steps`` finished since the last read: :data:`READ_FILL` of the buffer new
-        by the rate of the last read, or :attr:`interval_s` passed."""
+        by the rate of the last read, :data:`READ_SOON_FILL` of it after :data:`READ_SOON_S`, or
+        :attr:`interval_s` passed."""
         fill = READ_FILL if not self.lost else 0.5  # the ring overwrote entries once: read sooner
-        return (steps * self._per_step >= self.buffer * fill
-                or self.clock() - self._last_read >= self.interval_s)
+        new, waited = steps * self._per_step, self.clock() - self._last_read
+        return (new >= self.buffer * fill or (waited >= READ_SOON_S and new >= self.buffer * READ_SOON_FILL)
+                or waited >= self.interval_s)
 
     def observed(self, steps: int) -> None:
         """The last read covered ``steps`` steps: the per-step rate that times the next."""
