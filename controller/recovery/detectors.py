@@ -140,7 +140,24 @@ def loss(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
     if not recent:
         return []
     since = reads.last_action_ts(s, job.id)
-    bad = [r for r in recent if r.loss is None and r.ts > since]
+    # A step without a loss is a non-finite loss only from a rank that reports its loss (lately, in any
+    # run attempt): code stepped by its optimizer alone (a torchrun script, a Ray Train function) reports
+    # none at all. (A loss not finite from a job's very first step is not told apart from no loss.)
+    first_finite: dict[int, int] = {}
+    for r in recent:
+        if r.loss is not None:
+            first_finite[r.rank] = min(r.step, first_finite.get(r.rank, r.step))
+    bad, earlier = [], None
+    for r in recent:
+        if r.loss is not None or r.ts <= since:
+            continue
+        if r.rank in first_finite:  # after this rank's first finite loss of the window
+            if r.step > first_finite[r.rank]:
+                bad.append(r)
+            continue
+        earlier = reads.ranks_reporting_loss(s, job.id) if earlier is None else earlier
+        if r.rank in earlier:
+            bad.append(r)
     if bad:
         first = min(bad, key=lambda r: (r.step, r.rank))
         return [Finding(IncidentKind.NAN_LOSS, job.id, None, first.rank,

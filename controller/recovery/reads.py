@@ -147,6 +147,13 @@ def recent_losses(s: Session, job_id: str, limit: int = 200) -> Sequence[Row[Any
                      .order_by(StepMetric.id.desc()).limit(limit)).all()
 
 
+def ranks_reporting_loss(s: Session, job_id: str, limit: int = 1000) -> set[int]:
+    """Ranks with a finite loss among the job's newest ``limit`` step samples, of any run attempt."""
+    newest = (select(StepMetric.rank, StepMetric.loss).where(StepMetric.job_id == job_id)
+              .order_by(StepMetric.id.desc()).limit(limit).subquery())
+    return set(s.scalars(select(newest.c.rank).where(newest.c.loss.is_not(None)).distinct()).all())
+
+
 def last_step_ts(s: Session, job_id: str) -> float | None:
     return s.scalar(select(func.max(StepMetric.ts)).where(StepMetric.job_id == job_id))
 

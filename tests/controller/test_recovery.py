@@ -434,6 +434,19 @@ def test_nan_loss_rolls_back_every_rank(env: Env) -> None:
     assert killed == [1000, 1001]
 
 
+def test_steps_of_code_that_reports_no_loss_are_not_a_nan(env: Env) -> None:
+    """A torchrun script or a Ray Train function stepped by its optimizer reports no loss at all: no
+    nan_loss (it was one before: a plain script was rolled back for ever); a rank that reported a loss
+    and then none still is."""
+    env.steps(1, 30, loss=None)
+    env.monitor.step()
+    assert [i["kind"] for i in env.incidents()] == []
+    env.steps(31, 40)
+    env.steps(41, 41, loss=None)
+    env.monitor.step()
+    assert [(i["kind"], i["evidence"]["step"]) for i in env.incidents()] == [("nan_loss", 41)]
+
+
 def test_no_progress_across_restarts_fails_the_job(env: Env) -> None:
     env.steps(1, 10)
     for attempt in range(3):
