@@ -293,16 +293,17 @@ def test_plain_ddp_project_with_common_module_names_is_watched_through_torchs_co
     spec_file = tmp_path / "plain-ddp.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     job_id = _vigil_submit(cluster, spec_file, proj)
-    at = _slow_rank_1_ahead(client, job_id)
-    inc = _wait_hang_by_collective(client, job_id)
+    try:
+        at = _slow_rank_1_ahead(client, job_id)
+        inc = _wait_hang_by_collective(client, job_id)
+    finally:  # a hung job holds its CPUs: the next test needs them
+        _cancel_and_free(client, job_id)
     found = inc.evidence["collectives"]
     assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], found
     assert found["waiting_in"]["group"] == "world" and found["waiting_in"]["op"] == "all_reduce", found
     assert inc.rank == 1 and "rank 1 never entered it" in found["summary"]
     stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
     assert stragglers and stragglers[0].rank == 1, [(i.kind, i.rank, i.evidence) for i in client.job_incidents(job_id).data]
-    _cancel_and_free(client, job_id)
-
     metrics = client.job_metrics(job_id, max_points=100_000)
     for series in metrics.ranks:
         assert set(range(1, hang_at)) <= set(series.step), f"rank {series.rank} misses steps"
@@ -335,15 +336,18 @@ def _wait_hang_by_collective(client: VigilClient, job_id: str) -> Any:
 
 def _cancel_and_free(client: VigilClient, job_id: str) -> None:
     """Cancel a hung job and wait until no rank of it is alive on any node (the next test needs the CPUs)."""
-    client.cancel_job(job_id)
+    if not client.get_job(job_id).status.is_terminal():
+        client.cancel_job(job_id)
     wait_for(lambda: client.get_job(job_id).status.is_terminal(), 120, f"{job_id} to stop")
     wait_for(lambda: not [r for n in client.list_nodes().data for r in n.ranks if r.job_id == job_id and r.alive],
              120, f"{job_id}'s ranks to be gone", 1)
 
 
-def _torchrun_job(tmp_path: Path, cluster: LocalCluster, name: str, args: str, policy: str) -> str:
-    spec = {"name": name, "entrypoint": f"python train.py {args}",
-            "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": 150,
+def _torchrun_job(tmp_path: Path, cluster: LocalCluster, name: str, steps: int, args: str, policy: str) -> str:
+    """The torchrun example with ``--steps steps ARGS``; the spec's ``steps`` says the same (after its last
+    step a job is saving and exiting, not hung)."""
+    spec = {"name": name, "entrypoint": f"python train.py --steps {steps} {args}",
+            "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": steps,
             "recovery": {"policy": policy, "max_restarts": 3}}
     spec_file = tmp_path / f"{name}.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
@@ -357,16 +361,18 @@ def test_torchrun_script_as_it_is_shows_a_straggler_and_a_hang_by_collective(
     Recorder, a slow rank named a straggler, a rank asleep in the script named by the collective rank 0
     waits in."""
     hang_at = 200
-    job_id = _torchrun_job(tmp_path, cluster, "torchrun-watch",
-                           f"--steps 250 --step-delay 0.04 --hang-rank 1 --hang-step {hang_at}", "observe")
-    _slow_rank_1_ahead(client, job_id)
-    inc = _wait_hang_by_collective(client, job_id)
+    job_id = _torchrun_job(tmp_path, cluster, "torchrun-watch", 250,
+                           f"--step-delay 0.04 --hang-rank 1 --hang-step {hang_at}", "observe")
+    try:
+        _slow_rank_1_ahead(client, job_id)
+        inc = _wait_hang_by_collective(client, job_id)
+    finally:  # a hung job holds its CPUs: the next test needs them
+        _cancel_and_free(client, job_id)
     found = inc.evidence["collectives"]
     assert found["not_entered"] == [1] and found["waiting_in"]["op"] == "all_reduce", found
     assert inc.rank == 1
     stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
     assert stragglers and stragglers[0].rank == 1, [(i.kind, i.rank) for i in client.job_incidents(job_id).data]
-    _cancel_and_free(client, job_id)
     metrics = client.job_metrics(job_id, max_points=100_000)
     for series in metrics.ranks:
         assert set(range(2, hang_at)) <= set(series.step), f"rank {series.rank} misses steps"
@@ -378,7 +384,7 @@ def test_torchrun_script_as_it_is_shows_a_straggler_and_a_hang_by_collective(
 def test_torchrun_script_rank_killed_resumes_from_the_scripts_own_checkpoint(
     cluster: LocalCluster, client: VigilClient, tmp_path: Path
 ) -> None:
-    job_id = _torchrun_job(tmp_path, cluster, "torchrun-kill", "--steps 120 --step-delay 0.03 --checkpoint-every 20",
+    job_id = _torchrun_job(tmp_path, cluster, "torchrun-kill", 120, "--step-delay 0.03 --checkpoint-every 20",
                            "evict_restart")
     wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 30, 240, f"{job_id} to reach step 30")
     client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 30) + 5))
