@@ -140,7 +140,8 @@ class Monitor(BackgroundLoop):
         self._detect(s, job, spec, IncidentKind.STRAGGLER,
                      lambda: stragglers.detect(s, job, th, spec.checkpoint.interval_steps,
                                                since=reads.last_recovered_ts(s, job.id) if live else None))
-        self._respond_all(s, job, spec, self._detect_nic(s, job, now))
+        nic_found = self._detect_nic(s, job, now)  # every pass: it keeps each node's history
+        self._respond_all(s, job, spec, [f for f in nic_found if reads.live(s, job.id, f.kind) is None])
         for finding in detectors.resumed(s, job, th, live=live):
             self._resumed(s, job, spec, finding)
 
@@ -158,8 +159,9 @@ class Monitor(BackgroundLoop):
 
     def _detect(self, s: Session, job: Job, spec: JobCreate, kind: IncidentKind,
                 detect: Callable[[], list[Finding]]) -> None:
-        """Run a detector unless the policy would ignore its findings now (a recovery under way)."""
-        if policy.waits(kind, self._history(s, job)):
+        """Run a detector unless the policy would ignore its findings now (a recovery under way), or an
+        incident of its kind is still under way for the job (under observe one stays OPEN: found once)."""
+        if policy.waits(kind, self._history(s, job)) or reads.live(s, job.id, kind) is not None:
             return
         self._respond_all(s, job, spec, detect())
 

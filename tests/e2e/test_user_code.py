@@ -234,8 +234,9 @@ def test_own_project_runs_is_observed_and_resumes_from_its_checkpoint_after_a_ki
         assert all(s > 1 and (s - 1) % CKPT == 0 for s in starts[1:]), starts
 
 
-OWN_TESTS = {"ddp_plain", "torchrun_script", "ray_train_unchanged"}
-"""Examples submitted by tests of their own below (with faults): not again here."""
+OWN_TESTS = {"ddp_plain", "torchrun_script", "ray_train_unchanged", "gpt_pydoc"}
+"""Examples submitted by tests of their own (below, with faults; the GPT demo is the default entry point of
+the other end-to-end modules, tests/e2e/test_faults.py and test_local_cluster.py): not again here."""
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").iterdir()

@@ -97,6 +97,14 @@ def test_a_read_refreshes_what_it_held_and_skips_vigils_own_groups() -> None:
 # -- two real ranks ------------------------------------------------------------------------------------
 
 
+def fr_on(rank: int) -> None:
+    """In each rank's process, before its process group: the Flight Recorder on. (The ranks fork from a
+    forkserver that an earlier test may have started with another environment.)"""
+    import os
+
+    os.environ[FR_BUFFER_ENV] = "500"
+
+
 def _plain_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """A user's plain DDP loop: torch's DDP and AdamW, a dist.all_reduce of its own on a group of its own,
     and Vigil's init / step / report / checkpoint only."""
@@ -131,9 +139,8 @@ def _plain_ddp(rank: int, world_size: int, root: str) -> dict[str, Any]:
     }
 
 
-def test_plain_ddp_collectives_are_captured_per_step_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FR_BUFFER_ENV, "500")
-    out = run_ranks(2, _plain_ddp, str(tmp_path / "ckpt"), timeout=120)
+def test_plain_ddp_collectives_are_captured_per_step_on_every_rank(tmp_path: Path) -> None:
+    out = run_ranks(2, _plain_ddp, str(tmp_path / "ckpt"), timeout=120, setup=fr_on)
     params = 16 * 32 + 32 + 32 + 1
     for rank_out in out:
         assert [s for s, _ in rank_out["steps"]] == [1, 2, 3, 4, 5]
@@ -180,11 +187,10 @@ def _sleepy(rank: int, world_size: int) -> list[dict[str, Any]]:
     return reports
 
 
-def test_a_rank_asleep_in_its_own_loop_is_named_by_the_collective_the_other_waits_in(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_asleep_in_its_own_loop_is_named_by_the_collective_the_other_waits_in() -> None:
     from controller.recovery.collectives import analyse
 
-    monkeypatch.setenv(FR_BUFFER_ENV, "500")
-    out = run_ranks(2, _sleepy, timeout=120)
+    out = run_ranks(2, _sleepy, timeout=120, setup=fr_on)
     assert out[0] and out[1], "both watchers report while the steps stall"
     waiting = [r for r in out[0] if r["in_flight"]]
     assert waiting and waiting[-1]["in_flight"][-1]["op"] == "all_reduce" and waiting[-1]["step"] == 4
@@ -228,10 +234,8 @@ def _unmarked(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "records": [(r.step, r.op, r.group) for recs in sink.records for r in recs]}
 
 
-def test_unmarked_code_is_stepped_by_its_optimizer_with_collectives_and_faults(tmp_path: Path,
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FR_BUFFER_ENV, "500")
-    out = run_ranks(2, _unmarked, str(tmp_path), timeout=120)
+def test_unmarked_code_is_stepped_by_its_optimizer_with_collectives_and_faults(tmp_path: Path) -> None:
+    out = run_ranks(2, _unmarked, str(tmp_path), timeout=120, setup=fr_on)
     for o in out:
         # The first optimizer step starts the clock; the rest are steps, numbered by AdamW's own count.
         assert [s for s, *_ in o["steps"]] == list(range(2, 11))

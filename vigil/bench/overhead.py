@@ -108,6 +108,13 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any], sock: str, block: in
             "dropped": sink.inner.dropped_total}
 
 
+def _recorder_on(rank: int) -> None:
+    """Each rank's process, before its process group: the Flight Recorder records."""
+    from vigil.capture import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
+
+    os.environ.setdefault(FR_BUFFER_ENV, str(FR_BUFFER_DEFAULT))
+
+
 def _captured_rank(rank: int, world_size: int, steps: int, sock: str, block: int) -> dict[str, Any]:
     """The DDP example under a session, capture on and off in alternate blocks of its steps (rank 0's
     step boundaries marked by an optimizer-step hook of this benchmark)."""
@@ -194,11 +201,8 @@ def summarize(marks: list[tuple[int, float, bool]], block: int) -> dict[str, flo
 
 def run(steps: int, block: int, ranks: int, timeout: float, mode: str = "telemetry") -> dict[str, Any]:
     from vigil.bench.ranks import run_ranks
-    from vigil.capture import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
 
     spec = {**SPEC, "steps": steps, "scaling": {"min_workers": ranks, "max_workers": ranks}}
-    if mode == "captured":  # the ranks' process groups are made after this: the recorder records
-        os.environ.setdefault(FR_BUFFER_ENV, str(FR_BUFFER_DEFAULT))
     tmp = Path(tempfile.mkdtemp(prefix="vob-", dir="/tmp"))  # short: unix socket paths are limited
     sock = tmp / "agent.sock"
     with socket.socket() as s:  # a port nobody listens on: the agent spools what it receives
@@ -213,7 +217,7 @@ def run(steps: int, block: int, ranks: int, timeout: float, mode: str = "telemet
     try:
         _wait_socket(sock, agent)
         if mode == "captured":
-            results = run_ranks(ranks, _captured_rank, steps, str(sock), block, timeout=timeout)
+            results = run_ranks(ranks, _captured_rank, steps, str(sock), block, timeout=timeout, setup=_recorder_on)
         else:
             results = run_ranks(ranks, _rank, spec, str(sock), block, timeout=timeout)
     finally:
