@@ -171,7 +171,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
             num_workers=num_workers, resources_per_worker={"CPU": sc.cpus_per_worker}, use_gpu=False
         ),
         run_config=RunConfig(
-            name=f"vigil-{slugify(cfg.job_id)}",  # a path under storage_path: never raw input
+            name=run_name(cfg.job_id),
             storage_path=cfg.storage_path,
             failure_config=FailureConfig(max_failures=cfg.spec.recovery.max_restarts),
             # Ray keeps pointers only (vigil.checkpointing); Vigil's own retention keeps the data.
@@ -205,7 +205,8 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
         return run_live(rank_config(cfg), replicas=sc.max_workers, min_replicas=sc.min_workers,
                         cpus_per_replica=sc.cpus_per_worker)
     root = job_root(cfg.storage_path, cfg.job_id)
-    result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root),
+    run_folder = Path(cfg.storage_path) / run_name(cfg.job_id)
+    result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root, run_folder),
                                    cfg.job_id, again=cfg.spec.recovery.max_restarts > 0)
     metrics = dict(result.metrics or {})
     # Ray's checkpoint is a pointer (vigil.checkpointing): name the checkpoint folder itself.
@@ -215,12 +216,20 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
     return metrics
 
 
-def newest_valid_step(root: Path) -> int:
-    """The step of the newest valid checkpoint under ``root`` (-1: none)."""
+def run_name(job_id: str) -> str:
+    """Ray Train's run name of a job (a folder under the storage path: never raw input)."""
+    return f"vigil-{slugify(job_id)}"
+
+
+def newest_valid_step(root: Path, run_folder: Path | None = None) -> int:
+    """The step of the newest valid checkpoint under ``root`` (-1: none), or of the code's own Ray Train
+    checkpoints in ``run_folder`` (their manifests: :mod:`vigil.raytrain`) when newer."""
     from vigil.checkpointing import choose
+    from vigil.raytrain import newest_step
 
     manifest, _ = choose(root if root.exists() else None)
-    return manifest.step if manifest is not None else -1
+    own = newest_step(run_folder) if run_folder is not None else -1
+    return max(manifest.step if manifest is not None else -1, own)
 
 
 def fit_while_progressing(fit: Callable[[], Any], progress: Callable[[], int], job_id: str = "", *,

@@ -103,26 +103,38 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # Ray Train runs this function in a thread of the worker process, whose main thread idles in Ray's
     # worker loop: the name lets a py-spy dump of a hung rank be read from the right thread.
     threading.current_thread().name = TRAINING_THREAD
+    from vigil import raytrain
+
     tctx = ray.train.get_context()
     rank = tctx.get_world_rank()
+    resume = ray.train.get_checkpoint()  # Ray's pick, before the bridge: a pointer of Vigil's is not verified there
+    # The code's own ray.train.report / get_checkpoint go through Vigil's bridge (vigil.raytrain); Vigil's own
+    # reports (the rank API's checkpoints) go to Ray Train directly.
+    bridge = raytrain.install(str(config["job_id"]), rank, tctx.get_world_size(), session=_open_session)
+    ray_report = bridge.inner.report if bridge is not None else ray.train.report
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         # Rank 0 alone hands Ray Train a pointer to the complete checkpoint (module docstring of
         # vigil.checkpointing); Ray copies that tiny folder, never the data.
         if checkpoint_dir is None or rank != 0:
-            ray.train.report(metrics)
+            ray_report(metrics)
             return
         with tempfile.TemporaryDirectory(prefix="vigil-pointer-") as d:
             checkpoint.write_pointer(Path(d), checkpoint_dir)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+            ray_report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
     def preemption_pending() -> bool:
         return ray.train.get_preemption_info() is not None
 
-    resume = ray.train.get_checkpoint()
     with resume.as_directory() if resume is not None else nullcontext(None) as restore_dir:
         run_rank(config, rank, tctx.get_world_size(), report=report, preemption_pending=preemption_pending,
                  restore_dir=Path(restore_dir) if restore_dir is not None else None)
+
+
+def _open_session() -> Any:
+    """The rank's open Vigil session, or None (before the code starts, after it ends)."""
+    s = sdk._current
+    return s if s is not None and not s.closed else None
 
 
 def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.ReportFn | None = None,

@@ -13,10 +13,19 @@ else one more than the last. Faults due at a step fire when it opens (``kill_ran
 before its optimizer step (``slow_rank``), as for marked steps. Only the first optimizer that steps
 is the clock (a second one, e.g. a GAN's, is part of the same step). A loop that opens ``vigil.step``
 itself takes the boundaries back at once.
+
+Metrics the code hands Ray Train (``ray.train.report``, :mod:`vigil.raytrain`) are the step's loss and
+the rest: a report follows the optimizer step of the step it is about, so it lands on the step just
+finished (its sample is held until the next step ends, for that). Code that steps no torch optimizer
+at all (its own update rule) is stepped by its reports instead: from its second report on, each report
+ends a step.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vigil.rank.step import Step
@@ -43,8 +52,10 @@ class AutoSteps:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.clock: int | None = None
-        """``id`` of the optimizer whose steps delimit (the first to step)."""
+        self.clock: int | str | None = None
+        """``id`` of the optimizer whose steps delimit (the first to step), or :data:`REPORTS`."""
+        self.reports = 0
+        """Reports seen while no optimizer had stepped."""
         self.last = 0
         self.engaged = True
         self.steps = 0
@@ -58,9 +69,11 @@ class AutoSteps:
             self.clock = id(optimizer)
         elif id(optimizer) != self.clock:
             return
+        self._boundary(optimizer_count(optimizer))
+
+    def _boundary(self, counted: int | None) -> None:
         s = self.session
         current = s._step
-        counted = optimizer_count(optimizer)
         number = counted if counted is not None and counted > self.last else self.last + 1
         if current is not None and current.auto:
             current.number = number
@@ -72,9 +85,56 @@ class AutoSteps:
         nxt.auto = True
         nxt.__enter__()  # sets the session's open step; a fault due at it fires here
 
+    def reported(self, metrics: Mapping[str, Any]) -> int | None:
+        """Metrics the code reported (``ray.train.report``): onto the step they are about (module
+        docstring); that step's number, None when no step took them."""
+        s = self.session
+        values = step_values(metrics)
+        if not self.engaged:  # the code marks its steps: the open one is the one it reports about
+            if s._step is not None and values:
+                s._step.report(values.pop("loss", None), **values)
+                return s._step.number
+            return None
+        if self.clock is None:
+            self.reports += 1
+            if self.reports < 2:  # an initial report (an evaluation before training) only starts the clock
+                s._last_end = time.monotonic()
+                return None
+            self.clock = REPORTS
+        if self.clock == REPORTS:
+            if s._step is None:
+                self._boundary(None)  # opens the first step: it ends at the next report
+                return None
+            step = metrics.get("step")
+            counted = int(step) if isinstance(step, int) and not isinstance(step, bool) else None
+            self._boundary(counted)
+        if not values or self.steps == 0:
+            return None
+        return s._amend_held(self.last, values)
+
     def disengage(self) -> None:
         """The code marks its own steps: drop the open unmarked one."""
         self.engaged = False
         s = self.session
         if s._step is not None and s._step.auto:
             s._step = None
+
+
+REPORTS = "reports"
+"""The clock of code that steps no torch optimizer: its reports delimit its steps."""
+STEP_FIELDS = ("loss", "val_loss", "lr")
+
+
+def step_values(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The step fields among reported metrics: ``loss``, ``val_loss``, ``lr`` (numbers) and ``tokens``
+    (an integer >= 0); anything else is the code's own (Ray Train keeps it)."""
+    out: dict[str, Any] = {}
+    for name in STEP_FIELDS:
+        v = metrics.get(name)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out[name] = float(v) if math.isfinite(v) else math.nan
+    tokens = metrics.get("tokens")
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+        out["tokens"] = tokens
+    return out
+

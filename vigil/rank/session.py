@@ -241,12 +241,15 @@ class Session:
                 optim_s=max(0.0, optim_total - comm_s) if optim_total is not None else None,
                 comm_s=comm_s, val_loss=val_value, pid=self._pid,
         )
-        if self.capture is None:
+        if self.capture is None and not s.auto:
             self.ctx.telemetry.send_step(sample, records)
         else:
+            if s.auto:  # ship the steps before this one: its metrics may follow its optimizer step (autostep)
+                self._ship_held()
             self._held.append((sample, records, Window(s.number, s._start_ns, s._optimizer_ns, time.time_ns()),
                                "forward_backward" in s._phases))
-            self._ship_held()
+            if not s.auto:
+                self._ship_held()
         self._last_step_time = step_time
         self._last_end = time.monotonic()
         summary = self.summary
@@ -262,6 +265,29 @@ class Session:
         self._last = {"step": s.number, "last_loss": loss_value, "loss_raw": loss,
                       "tokens_per_s": s.tokens / step_time if step_time > 0 else 0.0, **s.metrics}
         self.checkpointer.poll()
+
+    def _amend_held(self, number: int, values: dict[str, Any]) -> int | None:
+        """Metrics reported after step ``number`` ended (:meth:`AutoSteps.reported`) onto its held sample;
+        None when it was sent already."""
+        with self._ship_lock:
+            for i in range(len(self._held) - 1, -1, -1):
+                sample, records, w, marked = self._held[i]
+                if sample.step != number:
+                    continue
+                update = {k: finite_or_none(v) for k, v in values.items() if k in ("loss", "val_loss", "lr")}
+                if "tokens" in values:
+                    update["tokens"] = min(values["tokens"], 2**31 - 1)
+                    update["tokens_per_s"] = values["tokens"] / sample.step_time_s if sample.step_time_s > 0 else 0.0
+                self._held[i] = (sample.model_copy(update=update), records, w, marked)
+                if "loss" in values:
+                    self.summary.losses[number] = update["loss"]
+                    self._last["last_loss"] = update["loss"]
+                    if update["loss"] is not None:
+                        self._window.append(update["loss"])
+                if update.get("val_loss") is not None:
+                    self.summary.val_losses[number] = self._last_val = update["val_loss"]
+                return number
+        return None
 
     def _ship_held(self, *, force: bool = False) -> None:
         """Send the held step samples with the collectives the Flight Recorder holds for them (when a read
