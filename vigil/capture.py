@@ -49,10 +49,11 @@ FR_BUFFER_DEFAULT = 500
 """What Vigil sets for its ranks unless the environment has it: a dump of a full buffer costs ~5 ms."""
 READ_FILL = 0.8
 """Read once this share of the buffer is new (by the last read's rate of entries per step)."""
-READ_SOON_S = 1.0
+READ_SOON_S = 2.0
 READ_SOON_FILL = 0.1
 """After :data:`READ_SOON_S`, read once this share of the buffer is new: steps reach the controller within
-a second or two unless their collectives are too few to pay for a read of the whole ring."""
+about two seconds unless their collectives are too few to pay for a read of the whole ring. (At 1 s, a job of
+330 collectives a second read at half fill and paid 1.3% of its 3 ms steps: docs/BENCHMARKS.md.)"""
 READ_INTERVAL_S = 5.0
 """At most this long between two reads (a step's samples wait for the read that finds its collectives)."""
 SEQ_BASE = 1 << 30

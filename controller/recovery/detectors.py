@@ -140,19 +140,19 @@ def loss(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
     if not recent:
         return []
     since = reads.last_action_ts(s, job.id)
-    # A step without a loss is a non-finite loss only from a rank that reports its loss (lately, in any
-    # run attempt): code stepped by its optimizer alone (a torchrun script, a Ray Train function) reports
-    # none at all. (A loss not finite from a job's very first step is not told apart from no loss.)
-    first_finite: dict[int, int] = {}
-    for r in recent:
-        if r.loss is not None:
-            first_finite[r.rank] = min(r.step, first_finite.get(r.rank, r.step))
+    # A step without a loss is a non-finite loss only from a rank that reports its loss at every step
+    # (lately, in any run attempt): code stepped by its optimizer alone (a torchrun script) reports none,
+    # a Ray Train function only at its ray.train.report steps (every 20th, say). So: a step without a loss
+    # right after two steps with one. (A loss not finite from a job's very first step is not told apart from
+    # no loss; nor one at a sparse reporter's report step: docs/RECOVERY.md.)
+    finite = {(r.rank, r.step) for r in recent if r.loss is not None}
+    seen = {r.rank for r in recent if r.loss is not None}
     bad, earlier = [], None
     for r in recent:
         if r.loss is not None or r.ts <= since:
             continue
-        if r.rank in first_finite:  # after this rank's first finite loss of the window
-            if r.step > first_finite[r.rank]:
+        if r.rank in seen:  # a rank with a loss in the window: NaN where it stopped reporting one
+            if (r.rank, r.step - 1) in finite and (r.rank, r.step - 2) in finite:
                 bad.append(r)
             continue
         earlier = reads.ranks_reporting_loss(s, job.id) if earlier is None else earlier
@@ -162,10 +162,10 @@ def loss(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
         first = min(bad, key=lambda r: (r.step, r.rank))
         return [Finding(IncidentKind.NAN_LOSS, job.id, None, first.rank,
                         {"step": first.step, "ranks": sorted({r.rank for r in bad}), "loss": None}, step=job.last_step)]
-    finite = [r.loss for r in recent if r.loss is not None]
-    if len(finite) >= 50 and reads.live(s, job.id, IncidentKind.LOSS_SPIKE) is None:
+    finite_losses = [r.loss for r in recent if r.loss is not None]
+    if len(finite_losses) >= 50 and reads.live(s, job.id, IncidentKind.LOSS_SPIKE) is None:
         newest = recent[0]
-        base = statistics.median(finite[5:])
+        base = statistics.median(finite_losses[5:])
         if newest.loss is not None and base > 0 and newest.loss > th.spike_ratio * base:
             return [Finding(IncidentKind.LOSS_SPIKE, job.id, None, newest.rank,
                             {"step": newest.step, "loss": newest.loss, "median": base}, step=job.last_step)]

@@ -148,10 +148,12 @@ def recent_losses(s: Session, job_id: str, limit: int = 200) -> Sequence[Row[Any
 
 
 def ranks_reporting_loss(s: Session, job_id: str, limit: int = 1000) -> set[int]:
-    """Ranks with a finite loss among the job's newest ``limit`` step samples, of any run attempt."""
+    """Ranks with a finite loss in at least half of their steps among the job's newest ``limit`` step samples,
+    of any run attempt (ranks that report a loss at every step; not a Ray Train function's sparse reports)."""
     newest = (select(StepMetric.rank, StepMetric.loss).where(StepMetric.job_id == job_id)
               .order_by(StepMetric.id.desc()).limit(limit).subquery())
-    return set(s.scalars(select(newest.c.rank).where(newest.c.loss.is_not(None)).distinct()).all())
+    rows = s.execute(select(newest.c.rank, func.count(), func.count(newest.c.loss)).group_by(newest.c.rank)).all()
+    return {rank for rank, steps, with_loss in rows if with_loss * 2 >= steps}
 
 
 def last_step_ts(s: Session, job_id: str) -> float | None:

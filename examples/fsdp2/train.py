@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,13 @@ def train_func(config: dict[str, Any]) -> None:
     folder = Path(os.environ.get("VIGIL_JOB_DIR", ".")) / "fsdp2-checkpoints"
     every = int(config.get("checkpoint_every", 40))
     start = load(folder, model, opt, data) + 1
+    load_s = float(config.get("load_s", 0.0))  # a data loader's time per batch (to watch a long run)
+    stall = config.get("stall") or {}  # {rank, step}: that rank stops in this loop (to see a hang found)
     for step in range(start, run.steps + 1):
         with vigil.step(step):
+            if run.rank == stall.get("rank") and step == stall.get("step"):
+                time.sleep(float(stall.get("seconds", 3600)))
+            time.sleep(load_s)
             x, y = data.next()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()  # FSDP2 reduces the gradients shard by shard here

@@ -447,6 +447,18 @@ def test_steps_of_code_that_reports_no_loss_are_not_a_nan(env: Env) -> None:
     assert [(i["kind"], i["evidence"]["step"]) for i in env.incidents()] == [("nan_loss", 41)]
 
 
+def test_a_loss_reported_every_20th_step_leaves_the_steps_between_alone(env: Env) -> None:
+    """A Ray Train function reports its loss (ray.train.report) at its checkpoint steps only: the steps
+    between carry none, and that is not a NaN, neither in the window nor from the job's history."""
+    for first in range(1, 120, 20):
+        env.steps(first, first + 18, loss=None)
+        env.steps(first + 19, first + 19)
+        env.monitor.step()
+    env.steps(121, 200, loss=None)  # a window with no loss at all, after the sparse ones
+    env.monitor.step()
+    assert [i["kind"] for i in env.incidents()] == []
+
+
 def test_no_progress_across_restarts_fails_the_job(env: Env) -> None:
     env.steps(1, 10)
     for attempt in range(3):

@@ -13,6 +13,7 @@ Needs: nothing outside the venv (Ray token auth on, as `vigil up` runs it). Slow
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,9 @@ from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import wait_for
 from controller.schemas import CAPTURED_TAG, FaultCreate, IncidentKind, JobStatus
+from controller.settings import Settings
+from vigil import raytrain
+from vigil.driver import run_name
 
 pytestmark = pytest.mark.slow
 
@@ -234,7 +238,7 @@ def test_own_project_runs_is_observed_and_resumes_from_its_checkpoint_after_a_ki
         assert all(s > 1 and (s - 1) % CKPT == 0 for s in starts[1:]), starts
 
 
-OWN_TESTS = {"ddp_plain", "torchrun_script", "ray_train_unchanged", "gpt_pydoc"}
+OWN_TESTS = {"ddp_plain", "fsdp2", "torchrun_script", "ray_train_unchanged", "gpt_pydoc"}
 """Examples submitted by tests of their own (below, with faults; the GPT demo is the default entry point of
 the other end-to-end modules, tests/e2e/test_faults.py and test_local_cluster.py): not again here."""
 
@@ -395,7 +399,7 @@ def test_torchrun_script_rank_killed_resumes_from_the_scripts_own_checkpoint(
     _assert_resumed_by_optimizer_count(client, job_id, every=20, last=120)
 
 
-def _assert_resumed_by_optimizer_count(client: VigilClient, job_id: str, *, every: int, last: int) -> None:
+def _assert_resumed_by_optimizer_count(client: VigilClient, job_id: str, *, every: int, last: int) -> int:
     """AdamW's own count numbers the steps: after the restart they go on from the code's own checkpoint (a
     multiple of ``every``), not from 1; the restarted process's first optimizer step starts its clock."""
     series = next(s for s in client.job_metrics(job_id, max_points=100_000).ranks if s.rank == 0)
@@ -407,24 +411,105 @@ def _assert_resumed_by_optimizer_count(client: VigilClient, job_id: str, *, ever
     assert back is not None, f"no restart visible in rank 0's steps: {steps}"
     assert steps[back] > every and (steps[back] - 2) % every == 0, steps[max(0, back - 3): back + 3]
     assert max(steps) == last
+    return steps[back]
 
 
-def test_ray_train_function_as_it_is_resumes_from_its_own_ray_train_checkpoint(
+def test_ray_train_function_as_it_is_reports_its_loss_and_resumes_past_a_corrupt_checkpoint(
     cluster: LocalCluster, client: VigilClient, tmp_path: Path
 ) -> None:
-    """The Ray Train example (prepare_model, prepare_data_loader, get_checkpoint, report): a killed rank
-    restarts the group, which resumes from the function's own checkpoint; its collectives are DDP's."""
+    """The Ray Train example (prepare_model, prepare_data_loader, get_checkpoint, report), unchanged: its
+    reported losses are the steps' losses; its checkpoints carry Vigil's manifest and are listed; a killed
+    rank restarts the group, whose get_checkpoint() passes over the newest checkpoint (corrupted while the
+    group was down) to the one before; its collectives are DDP's."""
+    every = 20
     spec = yaml.safe_load((ROOT / "examples" / "ray_train_unchanged" / "job.yaml").read_text())
-    spec["config"] |= {"steps": 120, "checkpoint_every": 30}
+    spec["config"] |= {"steps": 120, "checkpoint_every": every}
     spec["steps"] = 120
     spec_file = tmp_path / "rt.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     job_id = _vigil_submit(cluster, spec_file, ROOT / "examples" / "ray_train_unchanged")
-    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 40, 240, f"{job_id} to reach step 40")
-    client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 40) + 5))
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 45, 240, f"{job_id} to reach step 45")
+    client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 45) + 5))
+    wait_for(lambda: [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED], 120,
+             f"{job_id}'s rank 1 to die")
+    # Rank 0 waits in a collective for its dead peer: no checkpoint comes now until the group restarts.
+    run = Settings(home=cluster.home).resolved_storage_path() / run_name(job_id)
+    manifests = list(run.glob(f"*/{raytrain.MANIFEST}"))
+    assert manifests, f"no Vigil manifest under {run}: {sorted(p.name for p in run.iterdir())}"
+    corrupt = max(manifests, key=lambda m: json.loads(m.read_text())["step"]).parent
+    bad_step = json.loads((corrupt / raytrain.MANIFEST).read_text())["step"]
+    state = corrupt / "state.pt"
+    state.write_bytes(bytes(b ^ 0xFF for b in state.read_bytes()[:64]) + state.read_bytes()[64:])
     _finish(client, job_id)
     inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED]
     assert inc and inc[0].rank == 1, inc
-    _assert_resumed_by_optimizer_count(client, job_id, every=30, last=120)
+    resumed = _assert_resumed_by_optimizer_count(client, job_id, every=every, last=120)
+    assert resumed == bad_step - every + 2, (resumed, bad_step)  # from the checkpoint before the corrupt one
+    ckpts = client.job_checkpoints(job_id).data
+    assert any(c.step == bad_step and not c.valid for c in ckpts), ckpts  # the one skipped, and said so
+    good = [c for c in ckpts if c.valid]
+    assert {c.step for c in good} >= {every, 120} and all(c.bytes > 0 and c.files >= 1 for c in good), good
+    # the losses the code reported (at its checkpoint steps) are the steps' losses
+    series = next(s for s in client.job_metrics(job_id, max_points=100_000).ranks if s.rank == 0)
+    losses = dict(zip(series.step, series.loss, strict=True))
+    assert all(losses.get(s) is not None for s in range(every, 121, every) if s != bad_step), losses
     ddp = [c for c in client.job_collectives(job_id).data if (c.op, c.tag) == ("all_reduce", CAPTURED_TAG)]
     assert ddp and ddp[0].estimated and max(ddp[0].ranks) == 2
+
+
+def _fsdp2_job(tmp_path: Path, cluster: LocalCluster, name: str, steps: int, config: dict[str, Any],
+               policy: str) -> str:
+    spec = yaml.safe_load((ROOT / "examples" / "fsdp2" / "job.yaml").read_text())
+    spec |= {"name": name, "steps": steps, "recovery": {"policy": policy, "max_restarts": 3}}
+    spec["config"] |= config
+    spec_file = tmp_path / f"{name}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    return _vigil_submit(cluster, spec_file, ROOT / "examples" / "fsdp2")
+
+
+def test_fsdp2_shows_its_all_gathers_a_straggler_and_a_hang_by_collective(
+    cluster: LocalCluster, client: VigilClient, tmp_path: Path
+) -> None:
+    """The FSDP2 example (fully_shard on a CPU mesh, torch's AdamW): FSDP2's parameter all-gathers and
+    gradient reductions read from torch's Flight Recorder, a slow rank named a straggler, a rank asleep in
+    the example's own loop named by the collective rank 0 waits in."""
+    hang_at = 200
+    job_id = _fsdp2_job(tmp_path, cluster, "fsdp2-watch", 250, {"load_s": 0.04, "stall": {"rank": 1, "step": hang_at}},
+                        "observe")
+    try:
+        _slow_rank_1_ahead(client, job_id)
+        inc = _wait_hang_by_collective(client, job_id)
+    finally:  # a hung job holds its CPUs: the next test needs them
+        _cancel_and_free(client, job_id)
+    found = inc.evidence["collectives"]
+    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], found
+    assert inc.rank == 1 and "rank 1 never entered it" in found["summary"]
+    stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
+    assert stragglers and stragglers[0].rank == 1, [(i.kind, i.rank) for i in client.job_incidents(job_id).data]
+    coll = client.job_collectives(job_id).data
+    ops = {c.op for c in coll if c.tag == CAPTURED_TAG and c.estimated and max(c.ranks) == 2}
+    assert "all_gather" in ops, ops  # FSDP2 gathers each block's parameters before it runs
+    for series in client.job_metrics(job_id, max_points=100_000).ranks:
+        assert set(range(1, hang_at)) <= set(series.step), f"rank {series.rank} misses steps"
+
+
+def test_fsdp2_rank_killed_resumes_from_its_own_sharded_checkpoint(
+    cluster: LocalCluster, client: VigilClient, tmp_path: Path
+) -> None:
+    """A killed FSDP2 rank restarts the group, which loads the example's own DCP checkpoint (every rank its
+    shards) and goes on from the step after it."""
+    every = 20
+    job_id = _fsdp2_job(tmp_path, cluster, "fsdp2-kill", 100, {"checkpoint_every": every, "load_s": 0.02},
+                        "evict_restart")
+    wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 30, 240, f"{job_id} to reach step 30")
+    client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 30) + 5))
+    _finish(client, job_id)
+    inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED]
+    assert inc and inc[0].rank == 1 and inc[0].status.value == "RECOVERED", inc
+    series = next(s for s in client.job_metrics(job_id, max_points=100_000).ranks if s.rank == 1)
+    rows = sorted(zip(series.ts, series.step, strict=True))
+    ts, steps = [t for t, _ in rows], [s for _, s in rows]
+    back = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1] or ts[i] - ts[i - 1] > 5.0), None)
+    assert back is not None, f"no restart visible in rank 1's steps: {steps}"
+    assert steps[back] > every and (steps[back] - 1) % every == 0, steps[max(0, back - 3): back + 3]
+    assert max(steps) == 100
