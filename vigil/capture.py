@@ -30,6 +30,8 @@ with few collectives pays one read of a small buffer every few seconds.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
 import os
 import pickle
@@ -146,7 +148,7 @@ def estimate_bytes(op: str, dtypes: Sequence[str], in_sizes: Sequence[Sequence[i
     return payload, int(wire), elements
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Entry:
     """One collective of the recorder, as Vigil uses it."""
 
@@ -170,21 +172,40 @@ class Entry:
         return SEQ_BASE + ((pg & 0x3FF) << 20 | (self.seq & 0xFFFFF))
 
 
+_SHAPES: dict[tuple[Any, ...], tuple[str, str, str, int, int, int]] = {}
+"""(profiling name, group, dtypes, sizes, group size) -> (pg name, group label, op, payload, wire, elements):
+a training loop repeats the same few calls (DDP's buckets, FSDP's gathers), so each is worked out once."""
+_SHAPES_MAX = 4096
+
+
+def _shape(e: dict[str, Any], group_sizes: dict[str, int], default_size: int) -> tuple[str, str, str, int, int, int]:
+    pg = e.get("process_group") or ("", "")
+    sizes = e.get("input_sizes") or ()
+    key = (e.get("profiling_name"), tuple(pg), tuple(e.get("input_dtypes") or ()),
+           tuple(tuple(s) for s in sizes), group_sizes.get(str(pg[0]), default_size))
+    found = _SHAPES.get(key)
+    if found is None:
+        op = op_name(str(key[0] or ""))
+        payload, wire, elements = estimate_bytes(op, key[2], sizes, key[4])
+        found = (str(pg[0]), group_label(pg), op, payload, wire, elements)
+        if len(_SHAPES) >= _SHAPES_MAX:
+            _SHAPES.clear()
+        _SHAPES[key] = found
+    return found
+
+
 def entries(dump: dict[str, Any], group_sizes: dict[str, int], default_size: int) -> list[Entry]:
     """The dump's collectives as :class:`Entry`, oldest first."""
     out = []
     for e in dump.get("entries", ()):
-        pg = e.get("process_group") or ("", "")
-        op = op_name(str(e.get("profiling_name", "")))
-        payload, wire, elements = estimate_bytes(op, e.get("input_dtypes") or (), e.get("input_sizes") or (),
-                                                 group_sizes.get(str(pg[0]), default_size))
+        pg_name, group, op, payload, wire, elements = _shape(e, group_sizes, default_size)
         ms = e.get("duration_ms")
         out.append(Entry(
-            record_id=int(e.get("record_id", 0)), pg_name=str(pg[0]), group=group_label(pg),
-            seq=int(e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id", 0)), op=op,
-            payload_bytes=payload, wire_bytes=wire, elements=elements, created_ns=int(e.get("time_created_ns", 0)),
-            done=bool(e.get("retired")) or e.get("state") == "completed",
-            duration_s=float(ms) / 1e3 if ms is not None else None,
+            int(e.get("record_id", 0)), pg_name, group,
+            int(e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id", 0)), op,
+            payload, wire, elements, int(e.get("time_created_ns", 0)),
+            bool(e.get("retired")) or e.get("state") == "completed",
+            float(ms) / 1e3 if ms is not None else None,
         ))
     out.sort(key=lambda x: x.record_id)
     return out
@@ -209,6 +230,7 @@ def assign(found: Sequence[Entry], windows: Sequence[Window], *, before_first: i
     """
     records: list[CollectiveRecord] = []
     later: list[Entry] = []
+    starts = [w.start_ns for w in windows]  # in order: a binary search per entry, not a scan of the held steps
     for e in found:
         # In a finished step's window: done by that step's boundary (the optimizer step or the end), even
         # if the recorder has not marked it retired yet (gloo retires after the waiter wakes).
@@ -218,7 +240,7 @@ def assign(found: Sequence[Entry], windows: Sequence[Window], *, before_first: i
         if e.created_ns < windows[0].start_ns:
             step, end_ns = before_first, windows[0].start_ns
         else:
-            i = next(i for i in range(len(windows) - 1, -1, -1) if windows[i].start_ns <= e.created_ns)
+            i = bisect.bisect_right(starts, e.created_ns) - 1
             w = windows[i]
             step = w.step
             if w.optimizer_ns is not None and e.created_ns < w.optimizer_ns:
@@ -323,7 +345,7 @@ class CollectiveCapture:
                if e.pg_name not in self.exclude}
         # A held entry seen again: its newer state; one gone from the ring since (a full second and a
         # buffer of newer ones later): done.
-        out = {h.record_id: now.get(h.record_id) or Entry(**{**h.__dict__, "done": True}) for h in self._held}
+        out = {h.record_id: now.get(h.record_id) or dataclasses.replace(h, done=True) for h in self._held}
         fresh = {i: e for i, e in now.items() if i > self._last_id}
         self.captured += len(fresh)
         self._fresh = len(fresh)

@@ -295,10 +295,17 @@ class Session:
         with self._ship_lock:  # the training thread, or the watcher's when the steps stall
             self._ship_held_locked(force)
 
+    def _steps_since_read(self) -> int:
+        """Steps finished since the recorder was last read: the held ones, or more where steps went out
+        unheld between (the step numbers tell; not across a restart's renumbering)."""
+        since = self._held[-1][2].step - self._shipped_step if self._held else 0
+        return since if self._shipped_step and since >= len(self._held) else len(self._held)
+
     def _ship_held_locked(self, force: bool) -> None:
         cap = self.capture
-        if not self._held or (cap is not None and not force and not cap.due(len(self._held))):
+        if not self._held or (cap is not None and not force and not cap.due(self._steps_since_read())):
             return
+        since = self._steps_since_read()
         held, self._held = self._held, []
         captured: dict[int, list[CollectiveRecord]] = {}
         if cap is not None:
@@ -306,7 +313,7 @@ class Session:
             found = cap.read()
             recs, later = assign(found, [h[2] for h in held], before_first=self._shipped_step)
             cap.hold(later)
-            cap.observed(len(held))
+            cap.observed(since)
             for r in recs:
                 captured.setdefault(r.step, []).append(r)
             self.ship_cpu_s += time.thread_time() - t
