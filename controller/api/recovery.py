@@ -19,6 +19,7 @@ from controller.schemas import (
     CommandResult,
     CommandStatus,
     FaultCreate,
+    FaultKind,
     FaultPublic,
     FaultsPublic,
     FaultStatus,
@@ -60,6 +61,15 @@ def _incident_public(i: Incident) -> IncidentPublic:
 def inject_fault(job_id: JobId, body: FaultCreate, session: SessionDep, request: Request) -> FaultPublic:
     """Inject a real fault into a running job once it reaches ``step`` (see docs/RECOVERY.md)."""
     job = _job(session, job_id)
+    if body.node_id is not None:
+        # Refused now where it is known already (the monitor checks again when the fault fires).
+        held = {loc.node_id for loc in faults.rank_locations(session, job.id).values()}
+        if held and body.node_id not in held:
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"node_id: node {body.node_id!r} holds no rank of "
+                                f"job {job.id} (its ranks are on {', '.join(sorted(held))})")
+        if body.kind == FaultKind.KILL_NODE and is_head_node(request.app.state.monitor.cluster, body.node_id):
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"node_id: node {body.node_id!r} is the Ray head "
+                                "(GCS, every job's driver): kill_node never targets it")
     try:
         f = faults.create_fault(session, job, body)
     except ValueError as exc:

@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controller.jobs import record_event
+from controller.launcher import ClusterControl, LaunchError
 from controller.models import Fault, Job, Node
 from controller.recovery import commands
 from controller.recovery.checkpoints import newest_valid
@@ -80,8 +81,12 @@ def to_public(f: Fault) -> FaultPublic:
                        fired_at=f.fired_at, cleared_at=f.cleared_at)
 
 
-def fire_due(session: Session) -> int:
-    """Fire every pending fault whose job has reached its step. Returns how many fired."""
+def fire_due(session: Session, cluster: ClusterControl | None = None) -> int:
+    """Fire every pending fault whose job has reached its step. Returns how many fired.
+
+    Each fault fires on its own: one that cannot be carried out (whatever the reason, a stored row older
+    than today's parameter checks included) is marked FAILED with the reason, and the others, and the rest
+    of the monitor's pass, go on."""
     fired = 0
     rows = session.scalars(select(Fault).where(Fault.status == FaultStatus.PENDING.value).order_by(Fault.id)).all()
     for f in rows:
@@ -89,13 +94,35 @@ def fire_due(session: Session) -> int:
         if job is None or JobStatus(job.status).is_terminal():
             _finish(session, f, FaultStatus.CLEARED, "job ended before the fault fired")
             continue
-        kind = FaultKind(f.kind)
-        # Faults in a fault file are armed at once: the rank itself fires them at the step (the file says which).
-        if not _in_rank(f) and (job.last_step is None or job.last_step < f.step):
+        try:
+            kind = FaultKind(f.kind)
+            # Faults in a fault file are armed at once: the rank itself fires them at the step (the file says which).
+            if not _in_rank(f) and (job.last_step is None or job.last_step < f.step):
+                continue
+            with session.begin_nested():
+                done = _fire(session, job, f, kind, cluster)
+        except Exception as e:  # noqa: BLE001 - one bad fault never stops the monitor (docs/SECURITY.md)
+            log.warning("fault %s of job %s cannot fire: %s: %s", f.id, f.job_id, type(e).__name__, e)
+            _finish(session, f, FaultStatus.FAILED, f"cannot be carried out: {type(e).__name__}: {e}"[:1000])
             continue
-        if _fire(session, job, f, kind):
-            fired += 1
+        fired += done
     return fired
+
+
+def _refusal(session: Session, job: Job, f: Fault, kind: FaultKind, node_id: str,
+             locs: dict[int, RankLocation], cluster: ClusterControl | None) -> str | None:
+    """Why a fault may not act on ``node_id``, or None: a node the caller named must hold a rank of the job;
+    the Ray head (its GCS, every job's driver) is never killed."""
+    if f.node_id is not None and node_id not in {loc.node_id for loc in locs.values()}:
+        return f"node {node_id!r} holds no rank of job {job.id}: a fault acts only where its job runs"
+    if kind == FaultKind.KILL_NODE and cluster is not None:
+        try:
+            head = any(n.is_head for n in cluster.nodes() if n.name == node_id)
+        except LaunchError as e:
+            return f"cannot tell whether node {node_id!r} is the Ray head ({e}): not killed"
+        if head:
+            return f"node {node_id!r} is the Ray head (GCS, every job's driver): kill_node never targets it"
+    return None
 
 
 SLOW_PERIOD_S = 0.02
@@ -104,7 +131,7 @@ step is slowed alike. A cycle longer than the compute phase slows whichever phas
 fall into (often the collective, where the peers then wait as long): a slow step, not a slow rank."""
 
 
-def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
+def _fire(session: Session, job: Job, f: Fault, kind: FaultKind, cluster: ClusterControl | None = None) -> bool:
     locs = rank_locations(session, job.id)
     node_id = f.node_id
     loc = locs.get(f.rank) if f.rank is not None else None
@@ -146,6 +173,10 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind) -> bool:
         cmd = (CommandKind.SHAPE_NIC, {"kind": kind.value, **f.params})
     if cmd is None or node_id is None:
         _finish(session, f, FaultStatus.FAILED, "no target node")
+        return False
+    refused = _refusal(session, job, f, kind, node_id, locs, cluster)
+    if refused is not None:
+        _finish(session, f, FaultStatus.FAILED, refused)
         return False
     commands.enqueue(session, node_id, cmd[0], cmd[1], job_id=job.id, fault_id=f.id)
     f.node_id = node_id

@@ -103,7 +103,7 @@ class Monitor(BackgroundLoop):
         t0 = time.perf_counter()
         try:
             with session_scope(self.sessions) as s:
-                faults.fire_due(s)
+                faults.fire_due(s, self.cluster)
                 self._nodes(s, now)
                 for job in reads.running_jobs(s):
                     self._job(s, job, JobCreate.model_validate(job.spec), now)

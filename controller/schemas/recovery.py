@@ -25,6 +25,7 @@ from controller.schemas.common import (
     _storable_json,
     _Strict,
 )
+from controller.schemas.fault_params import check_params
 from controller.schemas.jobs import Params
 from controller.schemas.nodes import NodeState
 
@@ -86,19 +87,9 @@ class FaultCreate(_Strict):
             raise ValueError(f"rank: required for {self.kind.value}")
         if self.kind == FaultKind.KILL_NODE and self.rank is None and self.node_id is None:
             raise ValueError("node_id: required for kill_node (or give a rank: its node is killed)")
-        if len(self.params) > 16:
-            raise ValueError("params may hold at most 16 entries")
-        for k, v in self.params.items():
-            if len(k) > 64 or (isinstance(v, str) and len(v) > 256):
-                raise ValueError("params: keys at most 64 characters, string values at most 256")
-        if self.kind == FaultKind.SLOW_RANK:
-            factor = self.params.get("factor", 3.0)
-            if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1.0 < factor <= 100.0:
-                raise ValueError("params.factor: slow_rank's factor must be a number above 1 and at most 100")
-            if self.params.get("mode", "throttle") not in SLOW_MODES:
-                raise ValueError(f"params.mode: slow_rank's mode must be one of {', '.join(SLOW_MODES)}")
-        if self.kind in (FaultKind.KILL_RANK, FaultKind.HANG_RANK) and self.params.get("mode", "rank") not in PROCESS_MODES:
-            raise ValueError(f"params.mode: {self.kind.value}'s mode must be one of {', '.join(PROCESS_MODES)}")
+        # Every kind's parameters typed and ranged (controller.schemas.fault_params): none reaches the
+        # monitor or an agent that it cannot carry out.
+        self.params = check_params(self.kind.value, dict(self.params))
         return self
 
 
