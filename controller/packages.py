@@ -24,6 +24,7 @@ import io
 import os
 import re
 import stat
+import struct
 import tempfile
 import zipfile
 from collections.abc import Iterable, Sequence
@@ -161,6 +162,34 @@ def _check_name(name: str) -> None:
         raise PackageError(f"entry {name!r}: an absolute path would land outside the working dir")
     if ".." in path.parts:
         raise PackageError(f"entry {name!r}: '..' would land outside the working dir")
+    # One spelling per path: `a/./b.py` or `a//b.py` is `a/b.py` to the filesystem but not to a check on names.
+    segments = name.rstrip("/").split("/")
+    if any(s in ("", ".") for s in segments):
+        raise PackageError(f"entry {name!r}: '.' and empty path segments are refused (one spelling per path)")
+
+
+def _check_mode(name: str, info: zipfile.ZipInfo) -> None:
+    """Plain files and folders only, without setuid, setgid or sticky bits (a zip made on Windows has no mode)."""
+    mode = info.external_attr >> 16
+    if stat.S_ISLNK(mode):
+        raise PackageError(f"entry {name!r} is a symbolic link; packages hold plain files only")
+    kind = stat.S_IFMT(mode)
+    if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+        raise PackageError(f"entry {name!r} is not a plain file or folder (mode {mode:o}); packages hold plain files only")
+    if mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
+        raise PackageError(f"entry {name!r} has a setuid, setgid or sticky bit (mode {mode:o}): refused")
+
+
+def _entries_declared(data: bytes) -> int:
+    """The entry count the archive's end record declares, read before its central directory is parsed (a
+    directory of a million tiny entries costs hundreds of MB to parse: the limit must come first)."""
+    try:
+        end = zipfile._EndRecData(io.BytesIO(data))  # the stdlib's own reader of the end record (zip64 too)
+    except (OSError, ValueError, struct.error) as e:
+        raise PackageError(f"package is not a readable zip archive ({e})") from e
+    if end is None:
+        raise PackageError("package is not a zip archive")
+    return int(end[zipfile._ECD_ENTRIES_TOTAL])
 
 
 def validate_package(data: bytes, *, max_bytes: int, max_unzipped_bytes: int, max_files: int) -> PackageInfo:
@@ -169,6 +198,9 @@ def validate_package(data: bytes, *, max_bytes: int, max_unzipped_bytes: int, ma
         raise PackageError(f"package is {len(data)} bytes, over the limit of {max_bytes}")
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise PackageError("package is not a zip archive")
+    declared = _entries_declared(data)
+    if declared > max_files:
+        raise PackageError(f"package holds {declared} entries, over the limit of {max_files}")
     try:
         zf = zipfile.ZipFile(io.BytesIO(data))
     except (zipfile.BadZipFile, OSError, ValueError) as e:
@@ -177,19 +209,23 @@ def validate_package(data: bytes, *, max_bytes: int, max_unzipped_bytes: int, ma
         infos = zf.infolist()
         if len(infos) > max_files:
             raise PackageError(f"package holds {len(infos)} entries, over the limit of {max_files}")
-        seen: set[str] = set()
+        seen: dict[str, str] = {}
+        names: set[str] = set()
         total = 0
         files = 0
         for info in infos:
             name = info.filename
             _check_name(name)
             key = name.rstrip("/")
-            if key in seen:
+            if key in names:
                 raise PackageError(f"entry {name!r} appears twice")
-            seen.add(key)
-            mode = info.external_attr >> 16
-            if stat.S_ISLNK(mode):
-                raise PackageError(f"entry {name!r} is a symbolic link; packages hold plain files only")
+            names.add(key)
+            # `Model.py` beside `model.py`: two files on Linux, one on macOS and Windows (which one wins?)
+            folded = key.casefold()
+            if folded in seen:
+                raise PackageError(f"entry {name!r} differs from {seen[folded]!r} only by case: refused")
+            seen[folded] = key
+            _check_mode(name, info)
             if info.flag_bits & 0x1:
                 raise PackageError(f"entry {name!r} is encrypted")
             if info.is_dir():
