@@ -127,8 +127,9 @@ class VigilClient:
             params["max_points"] = max_points
         return JobMetrics.model_validate(self._request("GET", f"{API}/jobs/{job_id}/metrics", params=params))
 
-    def job_logs(self, job_id: str) -> LogsPublic:
-        return LogsPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/logs"))
+    def job_logs(self, job_id: str, tail_bytes: int | None = None) -> LogsPublic:
+        params = {"tail_bytes": tail_bytes} if tail_bytes is not None else {}
+        return LogsPublic.model_validate(self._request("GET", f"{API}/jobs/{job_id}/logs", params=params))
 
     # -- nodes and events ---------------------------------------------------------------------
     def list_nodes(self) -> NodesPublic:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from controller.aggregation import StepAggregates, load_step
@@ -125,15 +125,30 @@ _RANK_FIELDS = ("ts", "loss", "step_time_s", "data_s", "fwd_bwd_s", "optim_s", "
                 "collectives", "wire_bytes")
 
 
+ROW_BUDGET = 1_000_000
+"""Most rows one ``/steps`` read loads (all ranks together); more, and it reads every n-th step."""
+
+
 def job_steps(session: Session, job_id: str, rng: StepRange, max_points: int = 2000,
               max_ranks: int = 1024) -> JobStepsPublic:
     """Per-rank step breakdown of ``job_id``; at most ``max_ranks`` ranks (lowest first)."""
     dirty = _dirty_steps(session, job_id, rng)
-    cols = [RankStepStat.rank, RankStepStat.step, RankStepStat.node_id] + [getattr(RankStepStat, f) for f in _RANK_FIELDS]
-    rows = session.execute(
-        rng.where(select(*cols).where(RankStepStat.job_id == job_id), RankStepStat)
-        .order_by(RankStepStat.rank, RankStepStat.step)
-    ).all()
+    R = RankStepStat
+    cols = [R.rank, R.step, R.node_id] + [getattr(R, f) for f in _RANK_FIELDS]
+    # Bounded in the database, not after loading every row: the first ``max_ranks`` ranks only, and a read of
+    # more than ROW_BUDGET rows takes every ``stride``-th step (then decimated keeping each bucket's slowest
+    # step: a spike between two read steps is the price of a bounded read of a huge job).
+    all_ranks = rng.where(select(R.rank).where(R.job_id == job_id), R).distinct()
+    n_ranks = session.scalar(select(func.count()).select_from(all_ranks.subquery())) or 0
+    wanted = list(session.scalars(all_ranks.order_by(R.rank).limit(max_ranks)).all())
+    span = session.execute(rng.where(select(func.min(R.step), func.max(R.step)).where(R.job_id == job_id), R)).one()
+    stride = 1
+    if span[0] is not None:
+        stride = max(1, -(-(span[1] - span[0] + 1) * len(wanted) // ROW_BUDGET))
+    q = rng.where(select(*cols).where(R.job_id == job_id, R.rank.in_(wanted)), R)
+    if stride > 1:
+        q = q.where(or_((R.step - span[0]) % stride == 0, R.step == span[1]))
+    rows = session.execute(q.order_by(R.rank, R.step)).all() if wanted else []
     by_rank: dict[int, dict[int, tuple[dict[str, Any], bool]]] = defaultdict(dict)
     for r in rows:
         by_rank[r.rank][r.step] = ({"node_id": r.node_id, **{f: getattr(r, f) for f in _RANK_FIELDS}}, True)
@@ -164,7 +179,7 @@ def job_steps(session: Session, job_id: str, rng: StepRange, max_points: int = 2
             rank=rank, node_id=vals[-1]["node_id"], step=[p[0] for p in pts], final=[p[1][1] for p in pts],
             **{f: [v[f] for v in vals] for f in _RANK_FIELDS},
         ))
-    return JobStepsPublic(job_id=job_id, data=series, count=len(ranks))
+    return JobStepsPublic(job_id=job_id, data=series, count=max(n_ranks, len(ranks)))
 
 
 _COLL_FIELDS = ("ts", "calls", "ranks", "p50_s", "max_s", "min_s", "slowest_rank", "transfer_s", "wait_p50_s",

@@ -12,6 +12,8 @@ from controller.launcher import LaunchError
 from controller.packages import package_exists
 from controller.schemas import (
     INT32_MAX,
+    LOG_TAIL_DEFAULT,
+    LOG_TAIL_MAX,
     JobCreate,
     JobMetrics,
     JobPublic,
@@ -90,13 +92,25 @@ def get_metrics(
 
 
 @router.get("/{job_id}/logs", response_model=LogsPublic)
-def get_logs(job_id: JobId, session: SessionDep, request: Request) -> LogsPublic:
-    """The driver's logs from Ray (the ranks' output is in Ray's worker logs)."""
+def get_logs(
+    job_id: JobId, session: SessionDep, request: Request,
+    tail_bytes: Annotated[int, Query(ge=1, le=LOG_TAIL_MAX)] = LOG_TAIL_DEFAULT,
+) -> LogsPublic:
+    """The end of the driver's log from Ray, at most ``tail_bytes`` (from a line start; the ranks' output is
+    in Ray's worker logs). A job's log is its own output, of any size: the whole of it is never sent."""
     job = _get(session, job_id)
     launcher = request.app.state.launcher
     if launcher is None or job.ray_job_id is None:
         return LogsPublic(job_id=job_id, logs="")
     try:
-        return LogsPublic(job_id=job_id, logs=launcher.logs(job.ray_job_id))
+        text = launcher.logs(job.ray_job_id)
     except LaunchError as exc:
         raise HTTPException(status.HTTP_502_BAD_GATEWAY, detail=str(exc)) from exc
+    data = text.encode("utf-8", "replace")
+    if len(data) <= tail_bytes:
+        return LogsPublic(job_id=job_id, logs=text, total_bytes=len(data))
+    tail = data[-tail_bytes:]
+    newline = tail.find(b"\n")
+    if 0 <= newline < len(tail) - 1:
+        tail = tail[newline + 1:]
+    return LogsPublic(job_id=job_id, logs=tail.decode("utf-8", "ignore"), total_bytes=len(data), truncated=True)

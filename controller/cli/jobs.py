@@ -129,7 +129,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     with client_for(args) as client:
         try:
-            print(client.job_logs(args.job).logs, end="")
+            out = client.job_logs(args.job, tail_bytes=args.tail_bytes)
+            if out.truncated:
+                print(f"[the last {len(out.logs.encode())} of {out.total_bytes} bytes; --tail-bytes for more]",
+                      file=sys.stderr)
+            print(out.logs, end="")
         except ApiError as exc:
             print(exc, file=sys.stderr)
             return 1
@@ -161,8 +165,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     j.add_argument("--limit", type=int, default=50)
     j.add_argument("--json", action="store_true")
 
-    lg = sub.add_parser("logs", help="Print a job's driver logs.")
+    lg = sub.add_parser("logs", help="Print the end of a job's driver log.")
     lg.add_argument("job")
+    lg.add_argument("--tail-bytes", type=int, default=None,
+                    help="at most this many bytes from the end (default 256 KiB, at most 16 MiB)")
 
     cn = sub.add_parser("cancel", help="Cancel a job.")
     cn.add_argument("job")

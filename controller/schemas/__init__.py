@@ -53,6 +53,8 @@ from controller.schemas.jobs import (
     parse_entrypoint,
 )
 from controller.schemas.nodes import (
+    LOG_TAIL_DEFAULT,
+    LOG_TAIL_MAX,
     EventPublic,
     EventsPublic,
     Health,
@@ -140,6 +142,8 @@ __all__ = [
     "INT32_MAX",
     "INT64_MAX",
     "LIVE_OPTIMIZERS",
+    "LOG_TAIL_DEFAULT",
+    "LOG_TAIL_MAX",
     "LOST_CAUSES",
     "MARKER_KINDS",
     "MAX_TELEMETRY_ITEMS",

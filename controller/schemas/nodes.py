@@ -67,6 +67,12 @@ class Health(BaseModel):
     )
 
 
+LOG_TAIL_DEFAULT = 256 * 1024
+LOG_TAIL_MAX = 16 * 1024 * 1024
+
+
 class LogsPublic(BaseModel):
     job_id: str
     logs: str
+    total_bytes: int = Field(0, description="Size of the whole driver log (UTF-8).")
+    truncated: bool = Field(False, description="True: ``logs`` is the tail (``tail_bytes``), cut at a line start.")

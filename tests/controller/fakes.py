@@ -16,6 +16,8 @@ class FakeLauncher:
     submitted: list[tuple[str, JobCreate, dict[str, str]]] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
     fail_submit: bool = False
+    log_text: dict[str, str] = field(default_factory=dict)
+    """A launched job's driver log (default: one line naming it)."""
 
     def submit(self, job_id: str, spec: JobCreate, env: dict[str, str]) -> str:
         if self.fail_submit:
@@ -33,4 +35,4 @@ class FakeLauncher:
         self.statuses[launch_id] = LaunchStatus(JobStatus.CANCELLED)
 
     def logs(self, launch_id: str) -> str:
-        return f"logs of {launch_id}\n"
+        return self.log_text.get(launch_id, f"logs of {launch_id}\n")

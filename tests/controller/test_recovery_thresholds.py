@@ -19,7 +19,7 @@ from controller.schemas import JobStatus, RecoveryThresholds
 from controller.settings import Settings
 from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
-from tests.controller.test_recovery import Clock, Env, FakeCluster
+from tests.controller.recovery_env import Clock, Env, FakeCluster
 
 API = "/api/v1"
 BASE = {"name": "t", "steps": 1000, "scaling": {"min_workers": 2, "max_workers": 2}}
