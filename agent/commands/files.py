@@ -155,10 +155,13 @@ class FileKinds:
         n = min(len(CORRUPTION), st.st_size)
         offset = (st.st_size - n) // 2
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = open_under(root, path)
         except OSError as exc:
             return f"cannot open: {exc}"
         try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or now.st_nlink > 1:
+                return "changed since it was checked (replaced or linked): left alone"
             if os.pread(fd, n, offset) == CORRUPTION[:n]:
                 return "already"
             os.pwrite(fd, CORRUPTION[:n], offset)
@@ -166,3 +169,22 @@ class FileKinds:
         finally:
             os.close(fd)
         return "corrupted"
+
+
+def open_under(root: Path, path: Path) -> int:
+    """``path`` (inside ``root``) opened read-write, one component at a time from ``root`` without following a
+    symbolic link anywhere (``O_NOFOLLOW`` on each, relative to the folder opened before): a folder on the way
+    swapped for a link after the checks (a job's own files are the job's to change) fails with ELOOP or
+    ENOTDIR instead of leading outside the storage root."""
+    rel = path.relative_to(root).parts
+    if not rel:
+        raise IsADirectoryError(str(path))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in rel[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(rel[-1], os.O_RDWR | os.O_NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
