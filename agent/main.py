@@ -53,7 +53,7 @@ from agent.commands import (
 from agent.config import TOKEN_ENVS, AgentConfig
 from agent.failover import FailoverClient
 from agent.gpu import GpuCollector
-from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer, SocketInUseError
+from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer, SocketInUseError, prepare_run_dir
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
 from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat
@@ -102,6 +102,7 @@ class Agent:
         self.buffer = SampleBuffer(capacity=config.max_buffered_samples, wake_at=config.max_batch_items)
         # Exact exit times of the ranks' processes: names the rank that died first (receiver.ExitWatcher).
         self.exits = ExitWatcher()
+        prepare_run_dir(config.run_dir)  # before anything is put there: a folder made by someone else is refused
         self.receiver = Receiver(config.socket_path, self.buffer, ranks=RankTracker(exits=self.exits))
         # The spool first: it refuses a folder another agent holds, before anything else is opened.
         self.spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)

@@ -10,6 +10,11 @@ same set, so a new route cannot ship without a decision.
 Answers: 401 (with ``WWW-Authenticate: Bearer``) without a token or with one that is unknown,
 expired or revoked; 403 with a valid token whose role the route does not allow, or a ``job`` token
 on another job's route.
+
+Ownership, on top of the table: a ``user`` token may change (any method but GET) only the jobs it submitted
+(``jobs.created_by``, the submitting token's id; an admin acts on any job), and may evict or readmit nodes
+(:data:`NODE_ACTIONS`) only when the controller allows it (``VIGIL_USER_NODE_ACTIONS``). Reading stays open
+to every reading role.
 """
 
 from __future__ import annotations
@@ -236,9 +241,35 @@ def authorize(
         )
     if principal.role == Role.JOB and request.path_params.get("job_id") != principal.job_id:
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail="a job token may only touch its own job")
+    if principal.role == Role.USER and request.method not in ("GET", "HEAD"):
+        if "job_id" in request.path_params:
+            check_job_owner(request.app, principal, request.path_params["job_id"])
+        elif (request.method, path) in NODE_ACTIONS and not request.app.state.settings.user_node_actions:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
+                "a user token may not evict or readmit nodes (they move every job's ranks) unless the "
+                "controller allows it (VIGIL_USER_NODE_ACTIONS=1); ask an admin"))
     if "node_id" in request.path_params:
         check_node_scope(principal, request.path_params["node_id"])
     return principal
+
+
+NODE_ACTIONS = frozenset({("POST", f"{API}/nodes/{{node_id}}/evict"), ("POST", f"{API}/nodes/{{node_id}}/readmit")})
+"""Node routes a ``user`` token may call only where the controller allows it (``Settings.user_node_actions``)."""
+
+
+def check_job_owner(app: Any, principal: Principal, job_id: str) -> None:
+    """403 unless the ``user`` token ``principal`` submitted job ``job_id`` (an unknown job: the route's 404)."""
+    from controller.models import Job
+
+    with session_scope(app.state.sessions) as s:
+        job = s.get(Job, job_id)
+        owner = job.created_by if job is not None else None
+        if job is None:
+            return
+    if owner is None or owner != principal.token_id:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=(
+            f"job {job_id} was submitted by another token: a user token acts only on the jobs it submitted "
+            "(an admin acts on any)"))
 
 
 def check_node_scope(principal: Principal, node_id: str) -> None:

@@ -64,8 +64,9 @@ def transition(session: Session, job: Job, new: JobStatus, message: str | None =
     return True
 
 
-def create_job(session: Session, spec: JobCreate) -> Job:
-    job = Job(id=new_job_id(), name=spec.name, status=JobStatus.PENDING.value, spec=spec.model_dump(mode="json"))
+def create_job(session: Session, spec: JobCreate, created_by: str | None = None) -> Job:
+    job = Job(id=new_job_id(), name=spec.name, status=JobStatus.PENDING.value, spec=spec.model_dump(mode="json"),
+              created_by=created_by)
     session.add(job)
     record_event(session, "job_submitted", f"job {spec.name!r} submitted", job_id=job.id)
     session.flush()
@@ -95,5 +96,5 @@ def to_public(job: Job) -> JobPublic:
         id=job.id, name=job.name, status=JobStatus(job.status),
         spec=JobCreate.model_validate(job.spec, context={STORED: True}),
         ray_job_id=job.ray_job_id, message=job.message, created_at=job.created_at, started_at=job.started_at,
-        finished_at=job.finished_at, last_step=job.last_step, last_loss=job.last_loss,
+        finished_at=job.finished_at, last_step=job.last_step, last_loss=job.last_loss, created_by=job.created_by,
     )

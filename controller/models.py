@@ -81,6 +81,9 @@ class Job(Base):
     restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     stalled_restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     progress_mark: Mapped[int | None] = mapped_column(Integer)
+    created_by: Mapped[str | None] = mapped_column(String(32))
+    """Id of the token that submitted the job (None: auth off, a process-internal token, or stored before
+    owners were kept): a ``user`` token acts only on its own jobs (controller/auth.py)."""
 
 
 class StepMetric(Base):

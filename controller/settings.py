@@ -48,7 +48,9 @@ class Settings(BaseSettings):
         description="After the controller (re)starts or takes the lead, silence gets this much longer than the node "
         "timeout before a node is lost or a job hung: an agent that found the controller down retries only after "
         "its backoff (at most 10 s by default).")
-    run_dir: Path = Field(Path("/tmp/vigil"), description="Node-local folder for agent sockets.")
+    run_dir: Path = Field(default_factory=lambda: default_run_dir(), description=(
+        "Node-local folder for agent sockets and fault files: /run/vigil for root, $XDG_RUNTIME_DIR/vigil or "
+        "/tmp/vigil-<uid> otherwise (never one fixed /tmp path another user could create first)."))
     supervisor_interval_s: float = Field(1.0, gt=0, description="How often the controller polls Ray for job status.")
     leader_interval_s: float = Field(
         1.0, gt=0, le=60,
@@ -63,6 +65,9 @@ class Settings(BaseSettings):
     auth_enabled: bool = Field(
         True, description="Every route but /healthz needs a bearer token; false only on a machine you trust alone."
     )
+    user_node_actions: bool = Field(
+        False, description="Let `user` tokens evict and readmit nodes (which moves every job's ranks off a node); "
+        "off: only an admin does.")
     metrics_open: bool = Field(
         False, description="Serve /metrics without a token (for a Prometheus that scrapes over loopback)."
     )
@@ -162,6 +167,14 @@ def storage_path_from_env(env: Mapping[str, str] | None = None) -> Path:
     job's driver): ``$VIGIL_STORAGE_PATH``, else :data:`DEFAULT_STORAGE_PATH`."""
     env = os.environ if env is None else env
     return Path(env.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH).expanduser()
+
+
+def default_run_dir() -> Path:
+    """Where a node's agent socket and fault files live unless configured (see ``Settings.run_dir``)."""
+    if os.geteuid() == 0:
+        return Path("/run/vigil")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "vigil" if runtime else Path(f"/tmp/vigil-{os.geteuid()}")
 
 
 def agent_socket_path(run_dir: Path, node_id: str) -> Path:

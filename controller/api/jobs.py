@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request, status
 
 from controller import jobs as service
-from controller.api.deps import JobId, SessionDep, SettingsDep
+from controller.api.deps import CurrentPrincipal, JobId, SessionDep, SettingsDep
 from controller.launcher import LaunchError
 from controller.packages import package_exists
 from controller.schemas import (
@@ -34,7 +34,8 @@ def _get(session: SessionDep, job_id: str):  # type: ignore[no-untyped-def]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-def submit_job(body: JobCreate, session: SessionDep, request: Request, settings: SettingsDep) -> JobPublic:
+def submit_job(body: JobCreate, session: SessionDep, request: Request, settings: SettingsDep,
+               principal: CurrentPrincipal) -> JobPublic:
     """Validate and store a job; the supervisor launches it on the cluster. A ``working_dir`` must name
     a package uploaded before (422 otherwise, nothing stored)."""
     if body.working_dir is not None and not package_exists(settings.resolved_packages_dir(), body.working_dir):
@@ -42,7 +43,7 @@ def submit_job(body: JobCreate, session: SessionDep, request: Request, settings:
             "type": "package_missing", "loc": ["body", "working_dir"],
             "msg": f"no code package {body.working_dir} was uploaded (POST /api/v1/packages first, or use "
                    "vigil submit --working-dir)"}])
-    job = service.create_job(session, body)
+    job = service.create_job(session, body, created_by=principal.token_id)  # its owner (controller/auth.py)
     session.commit()
     request.app.state.supervisor.wake()
     return service.to_public(job)

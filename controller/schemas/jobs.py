@@ -407,6 +407,7 @@ class JobPublic(BaseModel):
     finished_at: datetime | None = None
     last_step: int | None = None
     last_loss: float | None = None
+    created_by: str | None = Field(None, description="Id of the token that submitted the job (its owner).")
 
 
 class JobsPublic(BaseModel):

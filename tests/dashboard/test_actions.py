@@ -157,10 +157,25 @@ def test_read_only_and_viewer_are_refused_and_nothing_is_sent(actions_site: Site
     assert len(actions_site.controller.events(job_id=abc, kind="fault_created")) == faults_before
 
 
+def _users_job(site: Site, token: str) -> str:
+    """A running job submitted with the user's own token (a user acts only on the jobs it submitted)."""
+    r = httpx.post(f"{site.url}/api/v1/jobs", json={"name": "mine", "steps": 100}, timeout=30,
+                   headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 201, r.text
+    site.controller.set_job_status(r.json()["id"], JobStatus.RUNNING)
+    return r.json()["id"]
+
+
 def test_a_user_injects_a_fault_recovers_and_cancels(actions_site: Site) -> None:
-    ctl, abc = actions_site.controller, actions_site.demo.abc
+    ctl, others = actions_site.controller, actions_site.demo.abc
+    token = issue_token(ctl.app, Role.USER)
+    abc = _users_job(actions_site, token)
     with httpx.Client(base_url=actions_site.url, timeout=30) as client:
-        sign_in(client, issue_token(ctl.app, Role.USER))
+        sign_in(client, token)
+        # Another's job (the admin's demo): the controller refuses and the dashboard says so.
+        theirs = _confirm(client, others, "cancel")
+        assert "Refused by the controller" in theirs and "submitted by another token" in theirs, theirs
+        assert _job_status(actions_site, others) == JobStatus.RUNNING
         opened = _ask(client, "fault", abc)
         assert opened["actions-job-modal"]["is_open"] is True
         assert opened["actions-job-fault-form"]["style"] == {"display": "block"}
@@ -210,7 +225,9 @@ def test_browser_read_only_refusal_then_sign_in_and_cancel(browser: Browser, act
         assert not _modal_open(page, "actions-job")
         assert _job_status(actions_site, abc) == JobStatus.RUNNING
 
-        browser_sign_in(page, actions_site, issue_token(actions_site.controller.app, Role.USER))
+        token = issue_token(actions_site.controller.app, Role.USER)
+        abc = _users_job(actions_site, token)  # a user cancels the jobs it submitted
+        browser_sign_in(page, actions_site, token)
         page.get(f"{actions_site.dashboard}jobs/{abc}")
         page.wait_for(lambda: page.css("#actions-job-cancel"), what="job actions panel")
         # Cancel, and dismiss: nothing happens.
