@@ -30,7 +30,6 @@ from controller.recovery.monitor import Monitor
 from controller.schemas import Health, Role
 from controller.settings import (
     ENV_CONTROLLER_URL,
-    ENV_HOME,
     ENV_RUN_DIR,
     ENV_STORAGE_PATH,
     Settings,
@@ -58,8 +57,9 @@ def healthz(session: SessionDep, request: Request) -> Health:
 
 def job_env(settings: Settings) -> dict[str, str]:
     """Environment every launched job gets, so its ranks find their node's agent."""
+    # Never VIGIL_HOME (the admin token and the SQLite database are there) nor anything secret: the job's
+    # own token is added by the supervisor (docs/SECURITY.md).
     return {ENV_RUN_DIR: str(settings.run_dir), ENV_CONTROLLER_URL: settings.controller_url,
-            ENV_HOME: str(settings.home.resolve()),
             ENV_STORAGE_PATH: str(settings.resolved_storage_path())}
 
 

@@ -34,7 +34,7 @@ import psutil
 from controller.netns import LinkSpec, NetnsCluster
 from controller.netns import cleanup_stale as cleanup_stale_netns
 from controller.probe import free_port, wait_for
-from controller.settings import SECRET_ENVS, Settings, agent_socket_path
+from controller.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
 
 # Variables that must not leak from the user's shell into the processes `vigil up` starts: each gets
 # exactly the token it needs (the agents an agent token; Ray jobs their own job token).
@@ -367,9 +367,12 @@ def start_local_cluster(
     ray_temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
     gcs_port, dash_port = free_port(), free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    base = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for name in _TOKEN_ENV:
-        env.pop(name, None)
+        base.pop(name, None)
+    # The raylets' environment (their workers are the jobs' ranks) from an allowlist, never a copy of the
+    # operator's: no VIGIL_HOME, database URL or token reaches a rank (docs/SECURITY.md).
+    env = child_env(base)
     dashboard_url = f"http://{LOOPBACK}:{dash_port}"
     controller_url = f"http://{LOOPBACK}:{port}"
     ports = [port, *(free_port() for _ in range(standby_controllers))]
@@ -409,7 +412,7 @@ def start_local_cluster(
                                      node_env, log_dir, dashboard_url, timeout)
         node_ids = [node_name(i) for i in range(nodes + 1)]
 
-        vigil_env = dict(env, VIGIL_HOME=str(home), VIGIL_RAY_ADDRESS=dashboard_url, VIGIL_PORT=str(port),
+        vigil_env = dict(base, VIGIL_HOME=str(home), VIGIL_RAY_ADDRESS=dashboard_url, VIGIL_PORT=str(port),
                          VIGIL_CONTROLLER_URL=controller_url, VIGIL_RUN_DIR=str(run_dir),
                          VIGIL_RAY_GCS_ADDRESS=f"{head_ip}:{gcs_port}",
                          VIGIL_STORAGE_PATH=str(Settings(home=home).resolved_storage_path()))

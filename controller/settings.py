@@ -151,6 +151,26 @@ ENV_AGENT_TOKEN = "VIGIL_AGENT_TOKEN"
 ENV_DASHBOARD_TOKEN = "VIGIL_DASHBOARD_TOKEN"
 SECRET_ENVS = (ENV_AGENT_TOKEN, ENV_TOKEN, ENV_DASHBOARD_TOKEN)
 """Never passed on to processes that do not need them (a raylet the agent restarts, a shell's children)."""
+CHILD_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "SHELL", "VIRTUAL_ENV",
+    "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED", "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "VIGIL_CACHE_DIR", "VIGIL_TELEMETRY",
+})
+CHILD_ENV_PREFIXES = ("LC_", "RAY_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "NVIDIA_", "HF_", "XDG_")
+"""What a process that runs users' code (a raylet: its workers are the ranks) inherits of Vigil's environment:
+these names and prefixes only, never a copy (``VIGIL_HOME``, ``VIGIL_DATABASE_URL``, any token stay out).
+``RAY_*`` is Ray's own (a Ray token in it is Ray's worker credential: docs/SECURITY.md)."""
+
+
+def child_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a process that runs users' code, from ``base`` (default: this process's) by the
+    allowlist above, plus ``extra``."""
+    src = os.environ if base is None else base
+    kept = {k: v for k, v in src.items() if k in CHILD_ENV_NAMES or k.startswith(CHILD_ENV_PREFIXES)}
+    return {**kept, **extra}
+
+
 ENV_JOB_ID = "VIGIL_JOB_ID"
 ENV_JOB_SPEC = "VIGIL_JOB_SPEC"
 """The job spec as JSON (``JobCreate``), for its driver."""
