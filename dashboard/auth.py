@@ -169,7 +169,24 @@ def configure_server(server: flask.Flask, cookie_path: str, secret: str | None =
     )
     store = SessionStore()
     server.config[STORE_KEY] = store
+    server.before_request(_same_origin_only)
     return store
+
+
+def _same_origin_only() -> flask.Response | None:
+    """Refuse a state-changing request a browser sent from another site (every Dash callback, the actions
+    included, is a POST): its ``Origin`` must be this server's. A request without ``Origin`` comes from no
+    browser page (a browser always sends it on a POST) and goes on to the usual checks."""
+    if flask.request.method in ("GET", "HEAD", "OPTIONS"):
+        return None
+    origin = flask.request.headers.get("Origin")
+    if origin is None:
+        return None
+    from urllib.parse import urlsplit
+
+    if origin == "null" or urlsplit(origin).netloc != flask.request.host:
+        return flask.Response(f"refused: a request from {origin} to this dashboard ({flask.request.host})", 403)
+    return None
 
 
 def _store() -> SessionStore:
