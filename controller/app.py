@@ -190,7 +190,7 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
     # The dashboard's callbacks run here, server side: its token never reaches a browser. No CORS
     # middleware is installed, so no other origin may read the API or the dashboard's answers.
     token = settings.dashboard_token
-    if token is None and settings.auth_enabled:
+    if token is None and settings.auth_enabled and settings.dashboard_open_reads:
         token = mint_internal_token(app, Role.VIEWER, "dashboard (mounted)")
     dash_app = create_dash_app(settings.controller_url, token=token, requests_pathname_prefix="/dashboard/")
     app.mount("/dashboard", WSGIMiddleware(dash_app.server))

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     metrics_open: bool = Field(
         False, description="Serve /metrics without a token (for a Prometheus that scrapes over loopback)."
     )
+    dashboard_open_reads: bool = Field(
+        True, description="The mounted dashboard reads the API with a viewer token of its own, so whoever reaches "
+        "the port may look. `vigil controller` turns it off when it binds an address other hosts can reach: a "
+        "browser then signs in (any reading token) before it sees anything.")
     dashboard_token: str | None = Field(
         None, repr=False, description="Token of the mounted dashboard; default: a viewer token minted per process."
     )

@@ -10,7 +10,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from controller.cli.jobs import demo_job_spec, follow_job, load_job_file
 from controller.client import VigilClient
@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("vigil")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def remote_dashboard(host: str, settings: Any) -> dict[str, Any]:
+    """Settings to change when the controller binds ``host``: reachable from other hosts, its mounted dashboard
+    shows nothing before a browser signs in (no reads on the dashboard's own viewer token)."""
+    if host in LOOPBACK_HOSTS or not settings.auth_enabled or settings.dashboard_token is not None:
+        return {}
+    log.warning("binding %s: the dashboard asks a browser to sign in (any reading token) before showing anything", host)
+    return {"dashboard_open_reads": False}
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
@@ -41,11 +50,11 @@ def cmd_controller(args: argparse.Namespace) -> int:
             print(f"vigil controller: refusing to bind {h} (reachable from other hosts) without --allow-remote",
                   file=sys.stderr)
             return 2
-        log.warning("binding %s: the controller, and its read-only dashboard, are reachable from other hosts", h)
+        log.warning("binding %s: the controller and its dashboard are reachable from other hosts", h)
         if not settings.auth_enabled:
             log.warning("VIGIL_AUTH_ENABLED=false on %s: ANYONE who reaches port %d can submit, cancel and read "
                         "everything", h, port)
-    settings = settings.model_copy(update={"host": host, "port": port})
+    settings = settings.model_copy(update={"host": host, "port": port, **remote_dashboard(host, settings)})
     workers = getattr(args, "workers", 1) or 1
     if workers > 1:
         if len(hosts) > 1:
@@ -81,7 +90,7 @@ def worker_app() -> FastAPI:
 
     settings = get_settings()
     secret = os.environ.get(_WORKERS_DASHBOARD_SECRET)
-    shared = bool(secret) and settings.auth_enabled and settings.dashboard_token is None
+    shared = bool(secret) and settings.auth_enabled and settings.dashboard_token is None and settings.dashboard_open_reads
     if shared:
         settings = settings.model_copy(update={"dashboard_token": secret})
     app = create_app(settings, run_migrations=False)
@@ -106,6 +115,7 @@ def _run_workers(settings: Settings, workers: int) -> int:
     os.environ[_WORKERS_DASHBOARD_SECRET] = tokens.new_secret()
     # The workers are new interpreters: they read their settings from the environment.
     os.environ["VIGIL_HOST"], os.environ["VIGIL_PORT"] = settings.host, str(settings.port)
+    os.environ["VIGIL_DASHBOARD_OPEN_READS"] = "true" if settings.dashboard_open_reads else "false"
     uvicorn.run("controller.cli.services:worker_app", factory=True, workers=workers, host=settings.host,
                 port=settings.port, log_level="warning")
     return 0
