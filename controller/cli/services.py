@@ -38,6 +38,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     import uvicorn
 
     from controller.app import create_app
+    from controller.http_protocol import HeaderDeadlineProtocol
 
     settings = get_settings()
     host = args.host or settings.host
@@ -62,11 +63,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
             return 2
         return _run_workers(settings, workers)
     if len(hosts) == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", http=HeaderDeadlineProtocol)
         return 0
     # Several addresses (`vigil up --netns`: loopback for the user, the bridge for agents in namespaces).
     sockets = [_listen(h, port) for h in hosts]
-    uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning")).run(sockets=sockets)
+    uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", http=HeaderDeadlineProtocol)
+                   ).run(sockets=sockets)
     return 0
 
 
@@ -110,6 +112,7 @@ def _run_workers(settings: Settings, workers: int) -> int:
     import uvicorn
 
     from controller import migrate, tokens
+    from controller.http_protocol import HeaderDeadlineProtocol
 
     migrate.upgrade(settings.resolved_database_url())
     os.environ[_WORKERS_DASHBOARD_SECRET] = tokens.new_secret()
@@ -117,7 +120,7 @@ def _run_workers(settings: Settings, workers: int) -> int:
     os.environ["VIGIL_HOST"], os.environ["VIGIL_PORT"] = settings.host, str(settings.port)
     os.environ["VIGIL_DASHBOARD_OPEN_READS"] = "true" if settings.dashboard_open_reads else "false"
     uvicorn.run("controller.cli.services:worker_app", factory=True, workers=workers, host=settings.host,
-                port=settings.port, log_level="warning")
+                port=settings.port, log_level="warning", http=HeaderDeadlineProtocol)
     return 0
 
 

@@ -1,0 +1,54 @@
+"""The controller's HTTP/1.1 protocol: uvicorn's h11 protocol plus a deadline for a request's headers.
+
+uvicorn bounds an idle keep-alive connection (``timeout_keep_alive``) but not a client that opens a connection
+and sends its request line and headers a byte at a time: many such clients (slowloris) hold sockets open for
+ever, until the controller runs out of them and the agents' heartbeats stop getting through, so their nodes
+look dead. Here a request's headers must arrive within :data:`HEADER_TIMEOUT_S` of its first byte (or of the
+connection, for the first request); otherwise the connection is closed. ``vigil controller`` serves with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_TIMEOUT_S = float(os.environ.get("VIGIL_HEADER_TIMEOUT_S", "10"))
+"""Seconds a client has to send a request's line and headers (``VIGIL_HEADER_TIMEOUT_S``)."""
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers (module docstring)."""
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        if before is None or before.response_complete:  # bytes of a new request: its headers are due
+            self._arm()
+        super().data_received(data)
+        if self.cycle is not None and self.cycle is not before:  # its headers are in
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()

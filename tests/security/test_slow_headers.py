@@ -1,0 +1,71 @@
+"""Attack on the controller's sockets: slowloris. A client opens connections and sends each request's headers a
+byte at a time; uvicorn bounds idle keep-alive connections but not this, so enough such clients hold every
+socket the controller may open, and the agents' heartbeats stop getting through (their nodes look dead).
+
+Finding (issue 23): no header timeout. ``vigil controller`` now serves with
+:class:`controller.http_protocol.HeaderDeadlineProtocol`: a request's headers are due within a deadline of
+its first byte. The test runs the real controller app under uvicorn on loopback, with raw sockets; on plain
+uvicorn (the code before) the slow connection stays open, and the test says so."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from controller import http_protocol
+from controller.app import create_app
+from controller.localcluster import free_port
+from controller.settings import Settings
+from tests.controller.fakes import FakeLauncher
+
+
+@pytest.fixture
+def port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    monkeypatch.setattr(http_protocol, "HEADER_TIMEOUT_S", 1.0)
+    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
+    p = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, FakeLauncher(), background=False), host="127.0.0.1",
+                                           port=p, log_level="warning", http=http_protocol.HeaderDeadlineProtocol))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield p
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+
+
+def test_a_request_whose_headers_never_end_is_closed(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as slow:
+        slow.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        started = time.monotonic()
+        assert _closed_within(slow, 5.0), "the server kept a connection whose headers never ended"
+        assert time.monotonic() - started < 4.0
+
+
+def test_an_idle_connection_and_a_slow_second_request_are_closed_a_quick_one_is_served(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as idle:  # connected, never a byte
+        assert _closed_within(idle, 5.0)
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        c.settimeout(5.0)
+        assert c.recv(4096).startswith(b"HTTP/1.1 200")
+        c.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHo")  # the next request, kept alive, then stalls
+        assert _closed_within(c, 5.0)
