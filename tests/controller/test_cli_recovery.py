@@ -6,6 +6,7 @@ queued for agents, which tests/agent and tests/e2e cover.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,9 @@ def test_fault_incidents_recover_evict_readmit(live: tuple[str, Any], capsys: py
 
     url, app = live
     admin = bearer(issue_token(app, "admin"))
-    job_id = httpx.post(f"{url}/api/v1/jobs", json={"name": "j", "steps": 50}, headers=admin).json()["id"]
+    # submitted with the CLI's own (user) token: a user acts on the jobs it submitted
+    job_id = httpx.post(f"{url}/api/v1/jobs", json={"name": "j", "steps": 50},
+                        headers=bearer(os.environ["VIGIL_TOKEN"])).json()["id"]
     app.state.supervisor.step()  # launched (fake)
     with app.state.sessions() as s:  # the engine says it runs
         from controller.jobs import get_job, transition
@@ -83,6 +86,9 @@ def test_fault_incidents_recover_evict_readmit(live: tuple[str, Any], capsys: py
     assert cli.main(["incidents", "--job", job_id]) == 0
     assert "manual" in capsys.readouterr().out
 
+    assert cli.main(["evict", "vigil-node-1", "--deadline", "3"]) == 1  # a user moves no ranks by default
+    assert "VIGIL_USER_NODE_ACTIONS" in capsys.readouterr().err
+    app.state.settings.user_node_actions = True  # where the operator lets users do it
     assert cli.main(["evict", "vigil-node-1", "--deadline", "3"]) == 0
     assert "vigil-node-1 EVICTED" in capsys.readouterr().out
     assert cli.main(["readmit", "vigil-node-1"]) == 0
