@@ -48,12 +48,15 @@ def test_demo_job_is_valid_and_its_fault_lands_between_checkpoints() -> None:
 
 
 def _marked(mark: str) -> list[psutil.Process]:
-    """Every process that inherited ``VIGIL_TEST_MARK=mark`` from `vigil up`: its controller and agents,
-    and Ray's daemons too (`ray start` leaves them re-parented, but their environment is `vigil up`'s)."""
+    """Every process that inherited the test's mark from `vigil up`: its controller and agents
+    (``VIGIL_TEST_MARK``), and Ray's daemons too (`ray start` leaves them re-parented). Ray's get an allowlisted
+    environment (no VIGIL_* of the operator's: docs/SECURITY.md), which keeps ``RAY_*``: they carry the mark
+    as ``RAY_VIGIL_TEST_MARK`` (a name Ray has no setting for)."""
     out = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get("VIGIL_TEST_MARK") == mark:
+            env = p.environ()
+            if mark in (env.get("VIGIL_TEST_MARK"), env.get("RAY_VIGIL_TEST_MARK")):
                 out.append(p)
         except psutil.Error:
             continue
@@ -69,7 +72,7 @@ def test_vigil_up_runs_a_job_serves_and_ctrl_c_stops_everything(tmp_path: Path) 
         [sys.executable, "-m", "controller.cli", "up", "--home", str(home), "--nodes", "2",
          "--port", str(port), "--job", str(job_file)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", VIGIL_TEST_MARK=mark),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", VIGIL_TEST_MARK=mark, RAY_VIGIL_TEST_MARK=mark),
     )
     lines: list[str] = []
     serving = threading.Event()
