@@ -53,7 +53,8 @@ from agent.commands import (
 from agent.config import TOKEN_ENVS, AgentConfig
 from agent.failover import FailoverClient
 from agent.gpu import GpuCollector
-from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer, SocketInUseError, prepare_run_dir
+from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer, SocketInUseError
+from agent.rundir import prepare_run_dir
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
 from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.receiver import RunDirError, prepare_run_dir
+from agent.rundir import RunDirError, prepare_run_dir
 from controller.settings import Settings
 
 
