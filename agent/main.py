@@ -53,7 +53,8 @@ from agent.commands import (
 from agent.config import TOKEN_ENVS, AgentConfig
 from agent.failover import FailoverClient
 from agent.gpu import GpuCollector
-from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer, SocketInUseError
+from agent.ranksocket import SocketInUseError
+from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer
 from agent.rundir import prepare_run_dir
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
@@ -197,6 +198,7 @@ class Agent:
             "datagrams": r.datagrams,
             "invalid_datagrams": r.invalid_datagrams,
             "invalid_samples": r.invalid_samples,
+            "forged_samples": r.forged_samples,
             "received_samples": r.samples,
             "buffered_samples": len(self.buffer),
             "buffer_overflow": self.buffer.overflow,

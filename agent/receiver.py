@@ -12,11 +12,9 @@ rank sent them.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 from collections import deque
@@ -27,6 +25,7 @@ from pathlib import Path
 import psutil
 from pydantic import TypeAdapter, ValidationError
 
+from agent.ranksocket import Sender, bind_datagram_socket, recv_with_sender
 from controller.background import BackgroundLoop
 from controller.schemas import (
     CheckpointSample,
@@ -47,14 +46,8 @@ _ITEM_ADAPTER: TypeAdapter[Sample] = TypeAdapter(RankSample)
 #: Receive buffer per datagram. Ranks keep datagrams under ~60 KB; anything longer than this is
 #: truncated by the kernel, fails to parse and is counted as invalid.
 MAX_DATAGRAM_BYTES = 1 << 20
-#: Kernel receive queue we ask for, so bursts of datagrams wait in the socket, not in the ranks.
-SOCKET_RCVBUF_BYTES = 4 << 20
 #: Most rank processes remembered (``Heartbeat.ranks`` holds at most 4096).
 MAX_TRACKED_RANKS = 4096
-
-
-class SocketInUseError(RuntimeError):
-    """Another live process already listens on the agent socket."""
 
 
 class SampleBuffer:
@@ -336,48 +329,9 @@ class ReceiverStats:
     invalid_datagrams: int = 0
     samples: int = 0
     invalid_samples: int = 0
-
-
-def bind_datagram_socket(path: Path, mode: int = 0o660) -> socket.socket:
-    """Bind a unix datagram socket at ``path``: parents created, a stale socket file replaced.
-
-    Refuses (``SocketInUseError``) when a live process already listens there, and refuses to
-    remove anything at ``path`` that is not a socket. ``mode`` lets ranks of the same user (and
-    group) write to it.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        st = None
-    if st is not None:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise FileExistsError(f"{path} exists and is not a socket; not removing it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            probe.connect(str(path))
-        except OSError as exc:
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                raise
-            log.info("removing stale agent socket %s", path)
-            path.unlink(missing_ok=True)
-        else:
-            raise SocketInUseError(f"another process already listens on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        sock.bind(str(path))
-        os.chmod(path, mode)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_RCVBUF_BYTES)
-        except OSError:  # the kernel caps it at net.core.rmem_max; a smaller queue still works
-            pass
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    forged_samples: int = 0
+    """Samples refused because they named a process other than their sender, or a job other than the one
+    their sender first claimed (:meth:`Receiver.handle_datagram`)."""
 
 
 class Receiver(BackgroundLoop):
@@ -394,8 +348,11 @@ class Receiver(BackgroundLoop):
         ranks: RankTracker | None = None,
         clock: Callable[[], float] = time.monotonic,
         log_every_s: float = 10.0,
+        socket_group: int | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
+        self.socket_group = socket_group
+        self._jobs_of: dict[int, tuple[str, float | None]] = {}  # sender pid -> (its job, its start time)
         self.buffer = buffer
         self.ranks = ranks if ranks is not None else RankTracker()
         self.stats = ReceiverStats()
@@ -410,7 +367,7 @@ class Receiver(BackgroundLoop):
     # -- life cycle -------------------------------------------------------------------------------
     def bind(self) -> None:
         if self._sock is None:
-            self._sock = bind_datagram_socket(self.socket_path)
+            self._sock = bind_datagram_socket(self.socket_path, group=self.socket_group)
             log.info("agent listening for rank telemetry on %s", self.socket_path)
 
     thread_name = "vigil-agent-receiver"
@@ -449,30 +406,53 @@ class Receiver(BackgroundLoop):
             raise RuntimeError("receiver is not bound")
         self._sock.settimeout(timeout)
         try:
-            n = self._sock.recv_into(self._buf)
+            n, sender = recv_with_sender(self._sock, self._buf)
         except (TimeoutError, BlockingIOError):
             return False
-        self.handle_datagram(bytes(self._buf[:n]))
+        self.handle_datagram(bytes(self._buf[:n]), sender)
         return True
 
-    def handle_datagram(self, data: bytes) -> int:
+    def handle_datagram(self, data: bytes, sender: Sender | None = None) -> int:
         """Validate one datagram, buffer its valid samples; return how many were buffered.
 
         A datagram that is not a JSON array is invalid as a whole. In an array with some invalid
         items the valid ones are kept (one bad sample should not cost its neighbours) and the
-        datagram is still counted as invalid.
+        datagram is still counted as invalid. With the kernel's ``sender``, a step sample naming
+        another process (``pid``) is refused, and so is any sample of a job other than the one its
+        sender's first sample named: a rank cannot point the agent's signals at a process that is not
+        its own, nor speak for two jobs (both counted in ``forged_samples``).
         """
         self.stats.datagrams += 1
         try:
             samples = _LIST_ADAPTER.validate_json(data)
         except ValidationError as exc:
             samples = self._salvage(data, exc)
+        if samples and sender is not None:
+            samples = self._own(samples, sender)
         if samples:
             self.ranks.observe(samples)
             kept = self.buffer.put_many(samples)
             self.stats.samples += kept
             return kept
         return 0
+
+    def _own(self, samples: list[Sample], sender: Sender) -> list[Sample]:
+        known = self._jobs_of.get(sender.pid)
+        if known is not None and known[0] != samples[0].job_id and process_start_time(sender.pid) != known[1]:
+            known = None  # the pid names a new process now
+        if known is None:
+            if len(self._jobs_of) >= MAX_TRACKED_RANKS:  # forget senders that are gone
+                self._jobs_of = {p: j for p, j in self._jobs_of.items() if process_alive(p)}
+            known = self._jobs_of[sender.pid] = (samples[0].job_id, process_start_time(sender.pid))
+        job = known[0]
+        mine = [s for s in samples if s.job_id == job and getattr(s, "pid", None) in (None, sender.pid)]
+        if len(mine) < len(samples):
+            self.stats.forged_samples += len(samples) - len(mine)
+            bad = next(s for s in samples if s not in mine)
+            self._warn(f"refused {len(samples) - len(mine)} samples from pid {sender.pid} (uid {sender.uid}): "
+                       f"they name pid {getattr(bad, 'pid', None)} of job {bad.job_id!r}, the sender is "
+                       f"pid {sender.pid} of job {job!r}")
+        return mine
 
     def _salvage(self, data: bytes, exc: ValidationError) -> list[Sample]:
         self.stats.invalid_datagrams += 1

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
+import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -111,12 +113,19 @@ def datagram(items: list[dict[str, Any]]) -> bytes:
     return json.dumps(items, separators=(",", ":")).encode()
 
 
-def send_datagrams(path: str, payloads: list[bytes]) -> None:
-    """Blocking sends: when the agent's queue is full the sender waits instead of losing data."""
+def send_datagrams(path: str, payloads: list[bytes], as_pid: int | None = None) -> None:
+    """Blocking sends: when the agent's queue is full the sender waits instead of losing data.
+
+    ``as_pid``: the datagrams carry that process's credentials (``SCM_CREDENTIALS``), as if it sent them
+    (only root may: the agent checks a sample's pid against its sender, agent/ranksocket.py)."""
+    creds = [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", as_pid or 0, os.getuid(), os.getgid()))]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.settimeout(10)
         for p in payloads:
-            s.sendto(p, path)
+            if as_pid is None:
+                s.sendto(p, path)
+            else:
+                s.sendmsg([p], creds, 0, path)
 
 
 class _TrackingServer(ThreadingHTTPServer):

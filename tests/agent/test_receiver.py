@@ -14,13 +14,12 @@ import time
 
 import pytest
 
+from agent.ranksocket import SocketInUseError, bind_datagram_socket
 from agent.receiver import (
     ExitWatcher,
     RankTracker,
     Receiver,
     SampleBuffer,
-    SocketInUseError,
-    bind_datagram_socket,
     process_alive,
 )
 from controller.schemas import CollectiveSample, StepSample

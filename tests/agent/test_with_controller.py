@@ -126,7 +126,7 @@ def test_commands_from_the_controller_are_carried_out_and_answered_once(short_di
         )
         with AgentThread(cfg):
             # The rank reports a step: its pid becomes one the controller may act on.
-            send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, job_id=job.id, pid=rank.pid)])])
+            send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, job_id=job.id, pid=rank.pid)])], as_pid=rank.pid)
 
             def rank_reported() -> bool:
                 with VigilClient(ctl.url, token=admin) as c:
