@@ -72,6 +72,9 @@ class AgentConfig(BaseModel):
     socket_path: Path | None = Field(
         None, description="Rank datagram socket; default agent_socket_path(run_dir, node_id)."
     )
+    socket_group: int | None = Field(
+        None, ge=0, description="Group id of the rank socket file (mode 0660): the ranks' own group when they "
+        "run as another user than the agent (vigil up as root: controller/rankuser.py).")
     spool_dir: Path | None = Field(None, description="Disk spool; default <run_dir>/spool/<node_id>.")
     spool_max_bytes: int = Field(
         256 << 20, ge=4096, description="Bound of the spool; oldest batches dropped beyond."

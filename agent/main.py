@@ -105,7 +105,8 @@ class Agent:
         # Exact exit times of the ranks' processes: names the rank that died first (receiver.ExitWatcher).
         self.exits = ExitWatcher()
         prepare_run_dir(config.run_dir)  # before anything is put there: a folder made by someone else is refused
-        self.receiver = Receiver(config.socket_path, self.buffer, ranks=RankTracker(exits=self.exits))
+        self.receiver = Receiver(config.socket_path, self.buffer, ranks=RankTracker(exits=self.exits),
+                                 socket_group=config.socket_group)
         # The spool first: it refuses a folder another agent holds, before anything else is opened.
         self.spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
         self._client: FailoverClient | None = None
@@ -332,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run-dir", type=Path, help="Node-local runtime folder (default: VIGIL_RUN_DIR).")
     p.add_argument("--socket", dest="socket_path", type=Path, help="Rank datagram socket path.")
+    p.add_argument("--socket-group", type=int,
+                   help="Group id of the rank socket (the ranks' user's group, when they run as another user).")
     p.add_argument("--spool-dir", type=Path, help="Disk spool folder.")
     p.add_argument("--spool-max-bytes", type=int, help="Spool bound in bytes (default 256 MiB).")
     p.add_argument("--flush-interval", dest="flush_interval_s", type=float, help="Seconds (default 0.5).")

@@ -34,6 +34,7 @@ import psutil
 from controller.netns import LinkSpec, NetnsCluster
 from controller.netns import cleanup_stale as cleanup_stale_netns
 from controller.probe import free_port, wait_for
+from controller.rankuser import isolate
 from controller.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
 
 # Variables that must not leak from the user's shell into the processes `vigil up` starts: each gets
@@ -225,9 +226,16 @@ class LocalCluster:
     """The agents' tokens (one per node), revoked when the cluster stops."""
     netns: NetnsCluster | None = None
     """The namespaces of ``vigil up --netns`` (None: every node on the host's own network)."""
+    storage: Path | None = None
+    """The jobs' checkpoint storage (``VIGIL_STORAGE_PATH`` of every process)."""
+    rank_user: str | None = None
+    """The user the ranks run as (controller/rankuser.py); None: this process's own."""
 
-    def stop(self) -> None:
+    def stop(self, discard_storage: bool = False) -> None:
+        """Stop every process; ``discard_storage``: also remove the checkpoints (tests)."""
         self.procs.stop_all()
+        if discard_storage and self.storage is not None:
+            shutil.rmtree(self.storage, ignore_errors=True)
         if self.netns is not None:
             self.netns.destroy()  # namespaces, veths, bridge, qdiscs, and any process left inside
         shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
@@ -308,9 +316,9 @@ def _start_node_with_retries(
     raise TimeoutError(f"{name} did not join the Ray cluster after {attempts} attempts; see {log_dir}")
 
 
-def agent_extra_args(node_id: str, join_cmds: dict[str, list[str]], home: Path, procs: ProcessGroup) -> list[str]:
+def agent_extra_args(node_id: str, join_cmds: dict[str, list[str]], storage: Path, procs: ProcessGroup) -> list[str]:
     """Flags for the agent's recovery commands: where checkpoints live, its raylet, how it rejoins."""
-    extra = ["--storage-root", str(Settings(home=home).resolved_storage_path())]
+    extra = ["--storage-root", str(storage)]
     if node_id in join_cmds:
         extra += ["--ray-join-cmd", json.dumps(join_cmds[node_id])]
     ray_start = next((c for c in procs.children if c.name == f"ray-node-{node_id.rsplit('-', 1)[1]}"), None)
@@ -352,6 +360,7 @@ def start_local_cluster(
                          "take turns under its advisory lock; SQLite serves one controller)")
     home = home.resolve()
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="vigil-run-", dir="/tmp"))
+    run_dir.chmod(0o755)  # the ranks reach their agent's socket in it (the agent refuses it writable by others)
     log_dir = home / "logs"
     pid_file = home / "run" / "pids.json"
     clean_stale(pid_file)
@@ -365,9 +374,13 @@ def start_local_cluster(
     procs = ProcessGroup(pid_file)
     # Short, private temp dir: Ray's unix socket paths must stay under 108 bytes.
     ray_temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
+    # As root, every raylet (so every rank and job driver) runs as an unprivileged user of its own; the
+    # home, 0700, keeps the admin token and the database from it (controller/rankuser.py).
+    settings = Settings(home=home)
+    iso = isolate(home, ray_temp, settings.storage_path, settings.resolved_storage_path())
     gcs_port, dash_port = free_port(), free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
-    base = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    base = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **iso.env)
     for name in _TOKEN_ENV:
         base.pop(name, None)
     # The raylets' environment (their workers are the jobs' ranks) from an allowlist, never a copy of the
@@ -387,7 +400,7 @@ def start_local_cluster(
         # The head runs no ranks (as Ray advises for real clusters): it holds the GCS, every job's driver
         # and Ray Train controller, and is the one node Vigil never evicts (recovery/actions.py).
         head_cpus = 0
-        procs.start("ray-head", [ray_bin, "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_temp}",
+        procs.start("ray-head", [*iso.drop, ray_bin, "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_temp}",
                                  "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
                                  f"--dashboard-port={dash_port}", "--resources", json.dumps({"vigil_node_0": 1}),
                                  f"--node-name={node_name(0)}", f"--num-cpus={head_cpus}",
@@ -396,7 +409,7 @@ def start_local_cluster(
         # One node at a time: Ray gives a raylet 30 s to register with the GCS, which an overloaded
         # machine can miss; a node whose `ray start` gave up is started again.
         for i in range(1, nodes + 1):
-            argv = [ray_bin, "start", f"--address={head_ip}:{gcs_port}", f"--node-name={node_name(i)}",
+            argv = [*iso.drop, ray_bin, "start", f"--address={head_ip}:{gcs_port}", f"--node-name={node_name(i)}",
                     "--resources", json.dumps({f"vigil_node_{i}": 1}), f"--num-cpus={cpus_per_node}", *common,
                     *_agent_port()]
             node_env = env
@@ -415,7 +428,7 @@ def start_local_cluster(
         vigil_env = dict(base, VIGIL_HOME=str(home), VIGIL_RAY_ADDRESS=dashboard_url, VIGIL_PORT=str(port),
                          VIGIL_CONTROLLER_URL=controller_url, VIGIL_RUN_DIR=str(run_dir),
                          VIGIL_RAY_GCS_ADDRESS=f"{head_ip}:{gcs_port}",
-                         VIGIL_STORAGE_PATH=str(Settings(home=home).resolved_storage_path()))
+                         VIGIL_STORAGE_PATH=str(iso.storage))
         if database_url:
             vigil_env["VIGIL_DATABASE_URL"] = database_url
         vigil = [sys.executable, "-m", "controller.cli"]
@@ -433,7 +446,9 @@ def start_local_cluster(
             url = node_controller_urls if net and i > 0 else agents_url
             argv = [*vigil, "agent", "--node-id", node_id, "--controller", url,
                     "--socket", str(agent_socket_path(run_dir, node_id)),
-                    "--spool-dir", str(home / "spool" / node_id), *agent_extra_args(node_id, join_cmds, home, procs)]
+                    "--spool-dir", str(home / "spool" / node_id), *agent_extra_args(node_id, join_cmds, iso.storage, procs)]
+            if iso.user is not None:
+                argv += ["--socket-group", str(iso.user.gid)]  # its ranks (the rank user) may write to its socket
             if net and i > 0:
                 # Inside the node's namespace: its heartbeats carry that node's eth0 counters, and its
                 # network faults shape that eth0 (agent/netfaults.py), restoring `link` on clear.
@@ -457,7 +472,8 @@ def start_local_cluster(
     return LocalCluster(home, controller_url, f"{head_ip}:{gcs_port}", dashboard_url, node_ids, procs, ray_temp,
                         run_dir, controller_urls=controller_urls, controller_names=controller_names,
                         admin_token=tokens.admin, admin_token_path=tokens.admin_path, database_url=db_url,
-                        agent_token_ids=tokens.agent_token_ids, netns=net)
+                        agent_token_ids=tokens.agent_token_ids, netns=net, storage=iso.storage,
+                        rank_user=iso.user.name if iso.user else None)
 
 
 def _answers(url: str) -> bool:

@@ -16,9 +16,11 @@ import hashlib
 import logging
 import os
 import pwd
+import shlex
 import shutil
 import stat
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +97,35 @@ def unreachable_by_others(paths: list[Path]) -> Path | None:
     return None
 
 
+def reveal_argv(needed: list[Path], stage: Path) -> list[str]:
+    """The prefix that lets the rank user reach ``needed`` (Python, the venv, Vigil's code) where a folder on
+    the way is closed to others (``/root`` holding a pyenv Python, 0700): in a private mount namespace that
+    folder is an empty tmpfs (mode 0755) holding only the needed folders, bound read-only. Nothing changes
+    outside it, and the ranks see nothing else of that folder. Empty when everything is reachable already."""
+    binds: list[Path] = []
+    for path in needed:
+        if unreachable_by_others([path]) is not None and not any(path.is_relative_to(b) for b in binds):
+            binds = [b for b in binds if not b.is_relative_to(path)] + [path]
+    if not binds:
+        return []
+    hidden = sorted({unreachable_by_others([b]) for b in binds}, key=lambda p: len(p.parts))  # type: ignore[arg-type]
+    stage.mkdir(mode=0o700, parents=True, exist_ok=True)
+    q = shlex.quote
+    script = ["set -e"]
+    for i, b in enumerate(binds):
+        (stage / f"m{i}").mkdir(exist_ok=True)
+        script.append(f"mount --bind {q(str(b))} {q(str(stage / f'm{i}'))}")
+    for h in hidden:
+        if not any(h.is_relative_to(o) and h != o for o in hidden):
+            script.append(f"mount -t tmpfs -o mode=755,size=1m vigil-hidden {q(str(h))}")
+    for i, b in enumerate(binds):
+        script += [f"mkdir -p {q(str(b))}", f"mount --move {q(str(stage / f'm{i}'))} {q(str(b))}",
+                   f"mount -o remount,bind,ro {q(str(b))}"]
+    script.append('exec "$@"')
+    unshare = shutil.which("unshare") or "/usr/bin/unshare"
+    return [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c", "; ".join(script), "vigil-reveal"]
+
+
 def private_storage(home: Path) -> Path:
     """The isolated default checkpoint storage of the Vigil whose home is ``home``."""
     return PRIVATE_STORAGE_ROOT / hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:16]
@@ -104,3 +135,44 @@ def make_home_private(home: Path) -> None:
     """The controller's home 0700, root's: nothing in it is readable by a rank."""
     home.mkdir(parents=True, exist_ok=True)
     home.chmod(0o700)
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What ``vigil up`` changes to run ranks as :class:`RankUser` (all empty when it cannot)."""
+
+    user: RankUser | None
+    drop: list[str]
+    """Prefix of every raylet's command line (and of the join command an agent runs again)."""
+    storage: Path
+    env: dict[str, str]
+    """Added to every child's environment (where Ray's token is for the rank user's raylets)."""
+
+
+def isolate(home: Path, ray_temp: Path, storage: Path | None, default_storage: Path) -> Isolation:
+    """Set up the rank user for a ``vigil up`` whose home is ``home``: the home made private, Ray's temp
+    folder, Ray's token and the checkpoint storage given to the rank user. ``storage``: the operator's
+    (``VIGIL_STORAGE_PATH``), else the private default."""
+    user = ensure_rank_user()
+    if user is None:
+        return Isolation(None, [], storage or default_storage, {})
+    import controller
+
+    code = Path(controller.__file__).resolve().parent.parent
+    needed = [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), code]
+    reveal = reveal_argv(needed, ray_temp / ".mnt")
+    make_home_private(home)
+    user.give(ray_temp)
+    ray_home = user.give(ray_temp / "home")
+    env: dict[str, str] = {}
+    if not os.environ.get("RAY_AUTH_TOKEN") and os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled":
+        source = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        token = ray_temp / "auth_token"
+        token.write_bytes(source.read_bytes())
+        os.chown(token, user.uid, user.gid)
+        token.chmod(0o600)
+        env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    store = storage or private_storage(home)
+    if storage is None:
+        user.give(store)
+    return Isolation(user, [*reveal, *user.drop_argv(ray_home)], store, env)

@@ -82,7 +82,6 @@ from controller.db import make_engine
 from controller.localcluster import LocalCluster, free_port, node_name, start_local_cluster
 from controller.probe import poll
 from controller.schemas import JobCreate, JobPublic
-from controller.settings import Settings
 
 log = logging.getLogger("vigil.bench.chaos")
 
@@ -147,7 +146,7 @@ class Chaos(FaultRun):
         self.engine = engine
         self.seed = seed
         self.workers = [node_name(i) for i in range(1, nodes + 1)]
-        self.storage = Settings(home=cluster.home).resolved_storage_path()
+        self.storage = cluster.storage
         self._submitted: dict[str, float] = {}
 
     def submit(self, name: str, steps: int) -> JobPublic:
@@ -531,7 +530,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         scored = score(records, incidents_since(engine, t_start), rank0)
     finally:
         engine.dispose()
-        cluster.stop()
+        cluster.stop(discard_storage=True)
     return {
         "faults_injected": scored["faults_injected"],
         "detected": scored["detected"],

@@ -40,7 +40,6 @@ from controller.checkpoint_layout import job_checkpoint_root, newest_complete
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import poll
 from controller.schemas import JobCreate
-from controller.settings import Settings
 
 log = logging.getLogger("vigil.bench.recovery")
 
@@ -207,7 +206,7 @@ class Runner(FaultRun):
             return before if self.client.get_job(job.id).last_step == before else None
 
         frozen_step = poll(frozen, 60, 0)
-        found = newest_complete(job_checkpoint_root(Settings(home=self.cluster.home).resolved_storage_path(), job.id))
+        found = newest_complete(job_checkpoint_root(self.cluster.storage, job.id))
         if frozen_step is None or found is None:
             out["error"] = "the job did not freeze, or has no complete checkpoint"
             return out
@@ -339,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         clean = r.clean_run(clean_steps) if clean_steps > 0 else None
         ettr = r.ettr(3 * args.fault_every + 20, args.fault_every) if not args.quick else None
     finally:
-        cluster.stop()
+        cluster.stop(discard_storage=True)
     out = {
         "faults": results,
         "false_positives_clean_run": clean["incidents"] if clean else None,
@@ -386,7 +385,7 @@ def _main_live(args: argparse.Namespace) -> int:
             for policy in policies:
                 ettr[policy] = r.ettr(policy, args.ettr_minutes, args.fault_every_s)
     finally:
-        cluster.stop()
+        cluster.stop(discard_storage=True)
     out: dict[str, Any] = {
         "policy": "live", "faults": results["live"],
         "ettr": ettr.get("live", {}).get("ettr"), "ettr_run": ettr.get("live"),

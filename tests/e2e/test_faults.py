@@ -27,7 +27,6 @@ from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import wait_for
 from controller.schemas import FaultCreate, JobCreate, JobStatus
-from controller.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +41,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     try:
         yield c
     finally:
-        c.stop()
+        c.stop(discard_storage=True)
 
 
 @pytest.fixture
@@ -285,7 +284,7 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
     wait_for(lambda: _frozen(client, job.id), 60, "the job to stop making progress")
     # The newest complete checkpoint on storage (its sample may not have reached the controller: a
     # rank reports a checkpoint at its next sync point, which the stopped rank never reaches).
-    found_newest = newest_complete(job_checkpoint_root(Settings(home=cluster.home).resolved_storage_path(), job.id))
+    found_newest = newest_complete(job_checkpoint_root(cluster.storage, job.id))
     assert found_newest is not None, "no complete checkpoint on storage"
     newest, newest_dir = found_newest
     _inject(client, job.id, {"kind": "corrupt_checkpoint", "step": 0})

@@ -88,7 +88,7 @@ def test_two_rank_job_end_to_end(tmp_path: Path) -> None:
         assert driver_token.role.value == "job" and not driver_token.active  # revoked when the job ended
         client.close()
     finally:
-        cluster.stop()
+        cluster.stop(discard_storage=True)
     time.sleep(1)
     alive = [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"processes left behind: {alive}"
@@ -144,4 +144,4 @@ def test_paper_optimizers_run_as_submitted_jobs(tmp_path: Path) -> None:
             assert tags <= seen, f"{kind}: collectives {sorted(seen)}, expected {sorted(tags)}"
         client.close()
     finally:
-        cluster.stop()
+        cluster.stop(discard_storage=True)

@@ -137,7 +137,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
         assert link_rate("vigil-node-1") == 200_000_000
         api.post(f"/jobs/{job_id}/cancel")
     finally:
-        cluster.stop()
+        cluster.stop(discard_storage=True)
     time.sleep(1)
     assert netns.leftovers(record) == []
     left = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

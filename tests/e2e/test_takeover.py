@@ -34,7 +34,7 @@ def cluster(tmp_path: Path, postgres_url: str) -> Iterator[LocalCluster]:
     try:
         yield c
     finally:
-        c.stop()
+        c.stop(discard_storage=True)
 
 
 def _leader(url: str) -> bool:

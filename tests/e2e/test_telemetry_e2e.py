@@ -110,4 +110,4 @@ def test_every_collective_of_every_step_and_consistent_aggregates(tmp_path: Path
         assert fams["vigil_jobs"].samples and fams["vigil_node_nic_receive_bytes_per_second"].samples
         client.close()
     finally:
-        cluster.stop()
+        cluster.stop(discard_storage=True)

@@ -15,25 +15,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from sqlalchemy import create_engine, select
 
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster, free_port, start_local_cluster
-from controller.models import ApiToken
+from controller.localcluster import LocalCluster
 from controller.probe import wait_for
-from controller.schemas import CAPTURED_TAG, FaultCreate, IncidentKind, JobStatus
-from controller.settings import Settings
-from controller.tokens import hash_token
+from controller.schemas import CAPTURED_TAG, FaultCreate, IncidentKind
 from tests.e2e.user_project import FUNCTION_PY, MODEL_PY, SCRIPT_PY
+from tests.e2e.user_project import finish as _finish
+from tests.e2e.user_project import vigil_submit as _vigil_submit
 from vigil import raytrain
 from vigil.driver import run_name
 
@@ -44,35 +39,14 @@ STEPS = 100
 CKPT = 10
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_local_cluster(tmp_path_factory.mktemp("usercode") / "home", nodes=3, cpus_per_node=1, port=free_port())
-    try:
-        yield c
-    finally:
-        c.stop()
+@pytest.fixture
+def cluster(shared_cluster: LocalCluster) -> LocalCluster:
+    return shared_cluster
 
 
 @pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[VigilClient]:
-    with VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30) as c:
-        yield c
-
-
-def _vigil_submit(cluster: LocalCluster, spec_file: Path, working_dir: Path) -> str:
-    """`vigil submit SPEC --working-dir DIR` as a user runs it; the job id it prints."""
-    env = {**os.environ, "VIGIL_TOKEN": cluster.admin_token, "VIGIL_CONTROLLER_URL": cluster.controller_url}
-    out = subprocess.run([sys.executable, "-m", "controller.cli", "submit", str(spec_file), "--working-dir",
-                          str(working_dir)], capture_output=True, text=True, env=env, timeout=120, check=False,
-                         cwd=working_dir.parent)
-    assert out.returncode == 0, f"vigil submit failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
-    return out.stdout.strip().splitlines()[-1].strip()
-
-
-def _finish(client: VigilClient, job_id: str, timeout: float = 360) -> None:
-    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
-    job = client.get_job(job_id)
-    assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
+def client(shared_client: VigilClient) -> VigilClient:
+    return shared_client
 
 
 def _assert_telemetry(client: VigilClient, job_id: str, steps: int, first: int = 1) -> None:
@@ -343,7 +317,7 @@ def test_ray_train_function_as_it_is_reports_its_loss_and_resumes_past_a_corrupt
     # Rank 0 waits in a collective for its dead peer: no checkpoint comes now until the group restarts. Which
     # one Ray Train hands back is its own (the newest that every rank reported); all but the oldest are
     # corrupted, so whichever it picks fails its manifest and the oldest is the one that verifies.
-    run = Settings(home=cluster.home).resolved_storage_path() / run_name(job_id)
+    run = cluster.storage / run_name(job_id)
     saved = sorted((json.loads(m.read_text())["step"], m.parent) for m in run.glob(f"*/{raytrain.MANIFEST}"))
     assert len(saved) >= 2, f"Vigil manifests under {run}: {saved}"
     for _, folder in saved[1:]:
@@ -424,57 +398,3 @@ def test_fsdp2_rank_killed_resumes_from_its_own_sharded_checkpoint(
     assert back is not None, f"no restart visible in rank 1's steps: {steps}"
     assert steps[back] > every and (steps[back] - 1) % every == 0, steps[max(0, back - 3): back + 3]
     assert max(steps) == 100
-
-
-PROBE_PY = '''
-import json
-import os
-from pathlib import Path
-
-
-def _dump(where):
-    folder = Path(os.environ["VIGIL_STORAGE_PATH"]) / "probe" / os.environ.get("VIGIL_JOB_ID", "none")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{where}-{os.getpid()}.json").write_text(json.dumps(dict(os.environ)))
-
-
-_dump("import")  # the driver imports the module to check the entry point: its process is the job's too
-
-
-def train(config):
-    _dump("rank")
-'''
-
-
-def test_a_jobs_processes_hold_no_secret_of_vigils_in_their_environment(
-    cluster: LocalCluster, client: VigilClient, tmp_path: Path
-) -> None:
-    """Issue 23's first finding, as a job finds it: its driver and its ranks read their environment. They
-    see no VIGIL_HOME (the admin token and database live there), no database URL, no agent or admin token;
-    the one token they hold is their own job's. (Ranks still run as the operator's user: docs/SECURITY.md.)"""
-    proj = tmp_path / "probe-project"
-    proj.mkdir()
-    (proj / "probe.py").write_text(PROBE_PY)
-    spec_file = tmp_path / "probe.yaml"
-    spec_file.write_text(yaml.safe_dump({"name": "probe", "entrypoint": "probe:train", "steps": 1,
-                                         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}}))
-    job_id = _vigil_submit(cluster, spec_file, proj)
-    _finish(client, job_id)
-    found = Settings(home=cluster.home).resolved_storage_path() / "probe" / job_id
-    envs = {p.name: json.loads(p.read_text()) for p in found.glob("*.json")}
-    assert sum(n.startswith("rank-") for n in envs) == 2 and any(n.startswith("import-") for n in envs), sorted(envs)
-    secrets = {cluster.admin_token, *(cluster.database_url or "",)} - {""}
-    for name, env in envs.items():
-        leaked = {"VIGIL_HOME", "VIGIL_DATABASE_URL", "VIGIL_AGENT_TOKEN", "VIGIL_DASHBOARD_TOKEN"} & set(env)
-        assert not leaked, f"{name} sees {sorted(leaked)}"
-        assert not [k for k, v in env.items() if v in secrets], f"{name} holds the admin token or database URL"
-        token = env.get("VIGIL_TOKEN")
-        if token is not None:  # its own job's token, nothing more (revoked once the job ended: looked up)
-            engine = create_engine(cluster.database_url)
-            try:
-                with engine.connect() as db:
-                    row = db.execute(select(ApiToken.role, ApiToken.job_id)
-                                     .where(ApiToken.token_hash == hash_token(token))).one()
-            finally:
-                engine.dispose()
-            assert tuple(row) == ("job", job_id), (name, tuple(row))

@@ -1,5 +1,17 @@
 """A user's own project for tests/e2e/test_user_code.py: its model, data and loop on the rank API, as
-source text written into a temporary folder Vigil knows nothing about."""
+source text written into a temporary folder Vigil knows nothing about; and how a user submits it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from controller.client import VigilClient
+from controller.localcluster import LocalCluster
+from controller.probe import wait_for
+from controller.schemas import JobStatus
 
 # The user's code: nothing in it is Vigil's but the `vigil.*` calls. A data loader that takes ~40 ms a
 # batch makes the steps long enough for a fault to land mid-run.
@@ -96,3 +108,19 @@ if __name__ == "__main__":
     a = p.parse_args()
     loop(a.width, a.steps, a.log_dir)
 '''
+
+
+def vigil_submit(cluster: LocalCluster, spec_file: Path, working_dir: Path) -> str:
+    """`vigil submit SPEC --working-dir DIR` as a user runs it; the job id it prints."""
+    env = {**os.environ, "VIGIL_TOKEN": cluster.admin_token, "VIGIL_CONTROLLER_URL": cluster.controller_url}
+    out = subprocess.run([sys.executable, "-m", "controller.cli", "submit", str(spec_file), "--working-dir",
+                          str(working_dir)], capture_output=True, text=True, env=env, timeout=120, check=False,
+                         cwd=working_dir.parent)
+    assert out.returncode == 0, f"vigil submit failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+    return out.stdout.strip().splitlines()[-1].strip()
+
+
+def finish(client: VigilClient, job_id: str, timeout: float = 360) -> None:
+    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
+    job = client.get_job(job_id)
+    assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
