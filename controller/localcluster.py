@@ -37,10 +37,6 @@ from controller.probe import free_port, wait_for
 from controller.rankuser import isolate
 from controller.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
 
-# Variables that must not leak from the user's shell into the processes `vigil up` starts: each gets
-# exactly the token it needs (the agents an agent token; Ray jobs their own job token).
-_TOKEN_ENV = SECRET_ENVS
-
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -365,23 +361,27 @@ def start_local_cluster(
     pid_file = home / "run" / "pids.json"
     clean_stale(pid_file)
     cleanup_stale_netns(home)  # a crashed run's namespaces, veths and bridge (whether or not this one uses them)
-    net = _create_netns(home, nodes, link) if netns else None
     ensure_ray_token()
-    db_url = database_url or f"sqlite:///{home / 'vigil.db'}"
-    tokens = _bootstrap(home, db_url, [node_name(i) for i in range(nodes + 1)])
-    auth = {"Authorization": f"Bearer {tokens.admin}"}
-
-    procs = ProcessGroup(pid_file)
     # Short, private temp dir: Ray's unix socket paths must stay under 108 bytes.
     ray_temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
     # As root, every raylet (so every rank and job driver) runs as an unprivileged user of its own; the
     # home, 0700, keeps the admin token and the database from it (controller/rankuser.py).
     settings = Settings(home=home)
-    iso = isolate(home, ray_temp, settings.storage_path, settings.resolved_storage_path())
+    try:
+        iso = isolate(home, ray_temp, settings.storage_path, settings.resolved_storage_path())
+    except BaseException:
+        shutil.rmtree(ray_temp, ignore_errors=True)
+        raise
+    net = _create_netns(home, nodes, link) if netns else None
+    db_url = database_url or f"sqlite:///{home / 'vigil.db'}"
+    tokens = _bootstrap(home, db_url, [node_name(i) for i in range(nodes + 1)])
+    auth = {"Authorization": f"Bearer {tokens.admin}"}
+
+    procs = ProcessGroup(pid_file)
     gcs_port, dash_port = free_port(), free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
     base = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **iso.env)
-    for name in _TOKEN_ENV:
+    for name in SECRET_ENVS:  # from the user's shell: each child gets exactly the token it needs
         base.pop(name, None)
     # The raylets' environment (their workers are the jobs' ranks) from an allowlist, never a copy of the
     # operator's: no VIGIL_HOME, database URL or token reaches a rank (docs/SECURITY.md).

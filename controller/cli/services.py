@@ -181,6 +181,7 @@ def _create_admin_token(url: str, home: Path) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from controller.localcluster import start_local_cluster
     from controller.netns import LinkSpec, NetnsError
+    from controller.rankuser import RankUserError
 
     settings = get_settings()
     home = Path(args.home or settings.home)
@@ -206,6 +207,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     except NetnsError as exc:  # e.g. --link-latency on a kernel without sch_netem; nothing is left behind
         print(f"vigil up --netns: {exc}", file=sys.stderr)
         return 2
+    except RankUserError as exc:  # root, but the ranks' user cannot be set up: nothing runs as root instead
+        print(f"vigil up: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -224,6 +228,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"network:    bridge {net.bridge} {net.gateway}/{net.prefix_len}; "
                   + ", ".join(f"{n.namespace} {n.address}" for n in net.nodes) + f"; link {net.link}")
         print(f"admin token: {cluster.admin_token_path} (the CLI reads it; or export VIGIL_TOKEN)")
+        print(f"ranks:      run as {cluster.rank_user or 'this user (not root: cannot switch users)'}; "
+              f"checkpoints in {cluster.storage}")
         with VigilClient(cluster.controller_url, token=cluster.admin_token) as client:
             if not args.no_demo:
                 spec = load_job_file(Path(args.job)) if args.job else demo_job_spec()

@@ -17,7 +17,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
@@ -27,6 +26,7 @@ from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import wait_for
 from controller.schemas import FaultCreate, JobCreate, JobStatus
+from tests.e2e.user_project import job_writable_dir
 
 pytestmark = pytest.mark.slow
 
@@ -350,7 +350,7 @@ def _ray_alive(cluster: LocalCluster) -> list:
 
 
 def test_live_a_hung_rank_is_replaced_and_healed_while_its_peer_trains_on(
-        client: VigilClient, tmp_path: Path) -> None:
+        client: VigilClient, cluster: LocalCluster) -> None:
     """``recovery.policy: live``: rank 1 hangs; rank 0 leaves it out of its quorum and trains on; the
     controller finds rank 1 silent on its own, kills it alone (no eviction), Ray starts it again and it
     heals from rank 0; the incident is RECOVERED when it steps again, and the job SUCCEEDS.
@@ -362,7 +362,7 @@ def test_live_a_hung_rank_is_replaced_and_healed_while_its_peer_trains_on(
         pytest.skip("py-spy needs ptrace rights (root) to read another process's stacks")
     spec = _spec("live-hang", policy="live", steps=LIVE_HANG_STEPS).model_copy(deep=True, update={
         "entrypoint": "tests.vigil.live_entry:train_func",
-        "config": {"out": str(tmp_path), "step_sleep_s": 0.1, "samples": 4096, "batch_size": 32, "features": 2,
+        "config": {"out": str(job_writable_dir(cluster, "live-hang")), "step_sleep_s": 0.1, "samples": 4096, "batch_size": 32, "features": 2,
                    "classes": 8, "hidden": 32}})
     spec.scaling.min_workers = 1  # a quorum of one: rank 0 trains on alone while rank 1 is replaced
     job = client.submit_job(JobCreate.model_validate(spec.model_dump()))

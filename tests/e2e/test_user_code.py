@@ -26,7 +26,7 @@ from controller.client import VigilClient
 from controller.localcluster import LocalCluster
 from controller.probe import wait_for
 from controller.schemas import CAPTURED_TAG, FaultCreate, IncidentKind
-from tests.e2e.user_project import FUNCTION_PY, MODEL_PY, SCRIPT_PY
+from tests.e2e.user_project import FUNCTION_PY, MODEL_PY, SCRIPT_PY, job_writable_dir
 from tests.e2e.user_project import finish as _finish
 from tests.e2e.user_project import vigil_submit as _vigil_submit
 from vigil import raytrain
@@ -73,11 +73,10 @@ def _assert_telemetry(client: VigilClient, job_id: str, steps: int, first: int =
     assert grads[0].step and max(grads[0].ranks) == 2  # aggregated over both ranks
 
 
-def _project(tmp: Path, kind: str) -> tuple[Path, Path, Path]:
+def _project(tmp: Path, kind: str, cluster: LocalCluster) -> tuple[Path, Path, Path]:
     """A user's project folder, its job spec, and the folder its code logs its starts to."""
-    proj, logs = tmp / f"my-{kind}-project", tmp / f"{kind}-logs"
+    proj, logs = tmp / f"my-{kind}-project", job_writable_dir(cluster, f"{kind}-logs")
     proj.mkdir()
-    logs.mkdir()
     (proj / "mymodel.py").write_text(textwrap.dedent(MODEL_PY))
     spec: dict = {
         "name": f"user-{kind}", "optimizer": {"kind": "adamw", "lr": 0.01},
@@ -103,7 +102,7 @@ def _project(tmp: Path, kind: str) -> tuple[Path, Path, Path]:
 def test_own_project_runs_is_observed_and_resumes_from_its_checkpoint_after_a_kill(
     kind: str, cluster: LocalCluster, client: VigilClient, tmp_path: Path
 ) -> None:
-    proj, spec_file, logs = _project(tmp_path, kind)
+    proj, spec_file, logs = _project(tmp_path, kind, cluster)
     job_id = _vigil_submit(cluster, spec_file, proj)
     job = client.get_job(job_id)
     assert job.spec.working_dir is not None and job.spec.working_dir.startswith("sha256:")

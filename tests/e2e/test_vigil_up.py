@@ -10,6 +10,7 @@ Needs: nothing outside the venv. Takes about a minute and a half.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import pytest
 
 from controller.cli import demo_job_spec
 from controller.localcluster import free_port
+from controller.rankuser import private_storage
 from controller.settings import admin_token_path
 
 pytestmark = pytest.mark.slow
@@ -107,6 +109,7 @@ def test_vigil_up_runs_a_job_serves_and_ctrl_c_stops_everything(tmp_path: Path) 
             proc.kill()
             proc.wait(30)
         reader.join(10)
+    shutil.rmtree(private_storage(home), ignore_errors=True)  # the checkpoints vigil up keeps for the next start
     assert "stopped" in "".join(lines)[-300:]
     time.sleep(1)
     left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

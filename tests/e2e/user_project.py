@@ -124,3 +124,15 @@ def finish(client: VigilClient, job_id: str, timeout: float = 360) -> None:
     wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
     job = client.get_job(job_id)
     assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
+
+
+def job_writable_dir(cluster: LocalCluster, name: str) -> Path:
+    """A folder the cluster's ranks may write (they run as the rank user under a root `vigil up`, which cannot
+    enter pytest's 0700 temp folders): under the checkpoint storage, owned like it."""
+    assert cluster.storage is not None
+    folder = cluster.storage / "test-files" / f"{name}-{os.urandom(4).hex()}"
+    folder.mkdir(parents=True)
+    st = cluster.storage.stat()
+    for d in (folder.parent, folder):
+        os.chown(d, st.st_uid, st.st_gid)
+    return folder
