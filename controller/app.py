@@ -36,6 +36,7 @@ from controller.settings import (
     get_settings,
 )
 from controller.supervisor import Supervisor
+from controller.telemetry_guard import TelemetryGuard, ray_placement
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ def create_app(
     app.state.engine = engine
     app.state.sessions = make_session_factory(engine)
     app.state.launcher = launcher
+    app.state.telemetry_guard = TelemetryGuard(str(settings.resolved_storage_path()), ray_placement(launcher, cluster))
     app.state.supervisor = Supervisor(app.state.sessions, launcher, job_env(settings), settings.supervisor_interval_s,
                                       settings.launch_retry_s)
     app.state.monitor = Monitor(app.state.sessions, launcher, cluster, settings.monitor_interval_s,

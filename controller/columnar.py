@@ -37,6 +37,7 @@ from controller.schemas import (
 )
 from controller.schemas.columnar import COLUMNAR_KINDS, ColumnarBatch, ColumnBlock, ColumnSpec, column_specs
 from controller.telemetry import COLLECTIVE_COLUMNS, LIVE_OPS, STEP_COLUMNS, Prepared, store
+from controller.telemetry_guard import TelemetryGuard
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ def _progress(batch: DecodedBatch) -> list[StepSample]:
 
 
 def ingest_columnar(session: Session, batch: DecodedBatch, now: float | None = None,
-                    host_history: HostHistoryLimits | None = None) -> TelemetryAck:
+                    host_history: HostHistoryLimits | None = None, guard: TelemetryGuard | None = None) -> TelemetryAck:
     """Store ``batch`` once, with exactly the rules of :func:`controller.telemetry.store` (which the
     JSON endpoint's :func:`~controller.telemetry.ingest` shares): the rows come from the columns."""
     hdr = batch.header
@@ -307,7 +308,7 @@ def ingest_columnar(session: Session, batch: DecodedBatch, now: float | None = N
             orphans=orphans,
         )
 
-    return store(session, hdr, job_ids, prepare, now, host_history)
+    return store(session, hdr, job_ids, prepare, now, host_history, guard)
 
 
 __all__ = ["COLUMNAR_KINDS", "ColumnarError", "Columns", "DecodedBatch", "decode", "ingest_columnar", "rows"]

@@ -66,6 +66,10 @@ def ray_client_env() -> None:
             os.environ["RAY_AUTH_MODE"] = "token"
 
 
+RANK_ACTOR_CLASSES = ("RayTrainWorker", "ReplicaActor")
+"""The Ray actors that are a job's ranks: Ray Train's workers, and live recovery's replicas (vigil/live_driver.py)."""
+
+
 class RayJobLauncher:
     """Submits the trainer as a Ray job through the cluster's Job Submission API."""
 
@@ -140,6 +144,22 @@ class RayJobLauncher:
             return self._client.get_job_logs(launch_id)
         except Exception as exc:
             raise LaunchError(f"could not read logs of {launch_id}: {exc}") from exc
+
+    def placement(self, launch_id: str) -> set[str]:
+        """Ray node ids where the job's ranks (its actors of :data:`RANK_ACTOR_CLASSES`) run or ran: dead actors
+        too, since a node that ran a rank may still send its spooled samples. Not the driver's node nor Ray
+        Train's controller's (the head, shared by every job's driver: a driver sends no samples)."""
+        from ray.util.state import list_actors
+
+        try:
+            info = self._client.get_job_info(launch_id)
+            if not info.job_id:
+                return set()
+            actors = list_actors(address=self.address, filters=[("job_id", "=", info.job_id)], limit=100_000,
+                                 timeout=10, raise_on_missing_output=False)
+        except Exception as exc:
+            raise LaunchError(f"could not read where {launch_id} runs: {exc}") from exc
+        return {a.node_id for a in actors if a.node_id and str(a.class_name).endswith(RANK_ACTOR_CLASSES)}
 
 
 @dataclass(frozen=True)

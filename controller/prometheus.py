@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from controller.db import session_scope
 from controller.models import CollectiveStepStat, Job, JobStepStat, Node, RankStepStat
 from controller.schemas import JobStatus
+from controller.telemetry_guard import REFUSED
 
 MAX_KINDS = 16
 MAX_INTERFACES = 16
@@ -66,6 +67,7 @@ class ProcessCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from MONITOR_PASS_SECONDS.collect()
         yield from MONITOR_LAST_PASS_SECONDS.collect()
+        yield from REFUSED.collect()
 
 
 def _label(v: object) -> str:

@@ -38,6 +38,7 @@ from controller.schemas import (
     TelemetryAck,
     TelemetryBatch,
 )
+from controller.telemetry_guard import TelemetryGuard
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ _NODE_AGENT = select(_NODES.c.agent_id).where(_NODES.c.id == bindparam("node"))
 
 
 def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: Callable[[set[str]], Prepared],
-          now: float | None = None, host_history: HostHistoryLimits | None = None) -> TelemetryAck:
+          now: float | None = None, host_history: HostHistoryLimits | None = None,
+          guard: TelemetryGuard | None = None) -> TelemetryAck:
     """Store one batch once; the core both wire formats share (:func:`ingest`, and
     :func:`controller.columnar.ingest_columnar`).
 
@@ -195,12 +197,17 @@ def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: 
     what was committed (:mod:`controller.aggregation`), so a controller killed at any point loses
     nothing and counts nothing twice. A heartbeat also adds a row to its node's bounded host history
     (:mod:`controller.host_history`, ``host_history``: its bounds, default :class:`HostHistoryLimits`).
+    With a ``guard``, samples of a job that never ran on the sending node, and checkpoints outside the
+    job's storage, are refused and counted (:mod:`controller.telemetry_guard`).
     """
     conn = session.connection()  # Core statements built once (below): this runs for every batch
     if conn.execute(_SEEN, {"agent_id": header.agent_id, "seq": header.seq}).first() is not None:
         return TelemetryAck(accepted=True, duplicate=True, stored=0)
     known = set(conn.execute(_KNOWN, {"ids": list(job_ids)}).scalars()) if job_ids else set()
-    rows = prepare(known)
+    allowed = known if guard is None else {j for j in known if guard.node_allowed(session, j, header.node_id)}
+    rows = prepare(allowed)
+    if guard is not None:
+        rows = _guarded(session, guard, header.node_id, known - allowed, rows, prepare, allowed)
     if rows.orphans:
         log.warning("batch %s/%s: %d samples for unknown jobs dropped", header.agent_id, header.seq, rows.orphans)
     try:
@@ -234,8 +241,24 @@ def store(session: Session, header: TelemetryBatch, job_ids: set[str], prepare: 
     return TelemetryAck(accepted=True, duplicate=False, stored=stored)
 
 
+def _guarded(session: Session, guard: TelemetryGuard, node_id: str, refused_jobs: set[str], rows: Prepared,
+             prepare: Callable[[set[str]], Prepared], allowed: set[str]) -> Prepared:
+    """``rows`` without checkpoints outside their job's storage; refusals counted (rare: a second ``prepare``
+    per refused job only to count its samples)."""
+    for job in sorted(refused_jobs):
+        n = rows.orphans - prepare(allowed | {job}).orphans
+        guard.refused(session, job, node_id, "node", n, f"node {node_id} runs none of job {job}'s processes")
+    outside = [c for c in rows.checkpoints if not guard.checkpoint_allowed(c.job_id, c.path)]
+    for c in outside:
+        guard.refused(session, c.job_id, node_id, "checkpoint_path", 1,
+                      f"checkpoint {c.path!r} is outside job {c.job_id}'s storage")
+    if outside:
+        rows.checkpoints = [c for c in rows.checkpoints if c not in outside]
+    return rows
+
+
 def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
-           host_history: HostHistoryLimits | None = None) -> TelemetryAck:
+           host_history: HostHistoryLimits | None = None, guard: TelemetryGuard | None = None) -> TelemetryAck:
     """Store a JSON-decoded ``batch`` once (:func:`store`: the rules)."""
 
     def prepare(known: set[str]) -> Prepared:
@@ -259,7 +282,7 @@ def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
         )
 
     job_ids = {s.job_id for s in batch.samples}
-    return store(session, batch, job_ids, prepare, now, host_history)
+    return store(session, batch, job_ids, prepare, now, host_history, guard)
 
 
 def update_job_progress(session: Session, samples: list[StepSample]) -> None:

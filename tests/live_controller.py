@@ -325,3 +325,11 @@ class LiveController:
             node = s.get(Node, node_id)
             assert node is not None, f"node {node_id} unknown"
             return int(node.dropped_samples)
+
+
+def checkpoint_path(app: Any, job_id: str, step: int) -> str:
+    """Where job ``job_id``'s checkpoint of ``step`` lives in the storage of the controller ``app`` (the only
+    place its checkpoint records are accepted from: controller/telemetry_guard.py)."""
+    from controller.checkpoint_layout import job_checkpoint_root
+
+    return str(job_checkpoint_root(app.state.telemetry_guard.storage, job_id) / f"step-{step}")

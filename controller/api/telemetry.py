@@ -19,6 +19,7 @@ from controller.schemas import TelemetryAck, TelemetryBatch
 from controller.schemas.columnar import COLUMNAR_PATH, CONTENT_TYPE, CONTENT_TYPES
 from controller.settings import Settings
 from controller.telemetry import BodyTooLarge, decode_body, ingest
+from controller.telemetry_guard import TelemetryGuard
 from controller.tokens import Principal
 
 router = APIRouter(tags=["telemetry"])
@@ -46,7 +47,7 @@ async def post_telemetry(request: Request, settings: SettingsDep, principal: Cur
     # write waiting for SQLite's lock must never block the loop that would let the holder commit.
     return await run_in_threadpool(
         _decode_and_store, request.app.state.sessions, raw, request.headers.get("content-encoding"),
-        settings.max_body_bytes, principal, _host_history(settings),
+        settings.max_body_bytes, principal, _host_history(settings), request.app.state.telemetry_guard,
     )
 
 
@@ -66,7 +67,7 @@ def _host_history(settings: Settings) -> HostHistoryLimits:
 
 def _decode_and_store(
     sessions: sessionmaker[Session], raw: bytes, encoding: str | None, limit: int, principal: Principal,
-    host_history: HostHistoryLimits,
+    host_history: HostHistoryLimits, guard: TelemetryGuard | None = None,
 ) -> TelemetryAck:
     body = _body(raw, encoding, limit)
     try:
@@ -75,7 +76,7 @@ def _decode_and_store(
         raise RequestValidationError(exc.errors(include_url=False, include_context=False, include_input=False)) from exc
     check_node_scope(principal, batch.node_id)
     with sqlite_writer(sessions), session_scope(sessions) as session:
-        return ingest(session, batch, host_history=host_history)
+        return ingest(session, batch, host_history=host_history, guard=guard)
 
 
 @router.post(
@@ -104,13 +105,13 @@ async def post_telemetry_columnar(request: Request, settings: SettingsDep, princ
     raw = await request.body()
     return await run_in_threadpool(
         _decode_and_store_columnar, request.app.state.sessions, raw, request.headers.get("content-encoding"),
-        settings.max_body_bytes, principal, _host_history(settings),
+        settings.max_body_bytes, principal, _host_history(settings), request.app.state.telemetry_guard,
     )
 
 
 def _decode_and_store_columnar(
     sessions: sessionmaker[Session], raw: bytes, encoding: str | None, limit: int, principal: Principal,
-    host_history: HostHistoryLimits,
+    host_history: HostHistoryLimits, guard: TelemetryGuard | None = None,
 ) -> TelemetryAck:
     body = _body(raw, encoding, limit)
     try:
@@ -121,4 +122,4 @@ def _decode_and_store_columnar(
         raise RequestValidationError(exc.errors()) from exc
     check_node_scope(principal, batch.header.node_id)
     with sqlite_writer(sessions), session_scope(sessions) as session:
-        return ingest_columnar(session, batch, host_history=host_history)
+        return ingest_columnar(session, batch, host_history=host_history, guard=guard)

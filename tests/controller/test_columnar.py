@@ -40,6 +40,7 @@ from controller.models import (
 from controller.schemas import CollectiveSample, RankSample, StepSample
 from controller.schemas.columnar import CONTENT_TYPE, ColumnBlock, column_specs
 from tests.controller.test_telemetry_aggregates import coll_sample, make_client, step_sample
+from tests.live_controller import checkpoint_path
 
 API = "/api/v1"
 _SAMPLES: TypeAdapter[list[Any]] = TypeAdapter(list[RankSample])
@@ -129,7 +130,7 @@ def test_a_columnar_batch_stores_what_the_json_batch_stores(client: TestClient) 
                  "host": {"cpu": 0.5}}
     def extras(job: str) -> list[dict[str, Any]]:
         return [
-            {"kind": "checkpoint", "job_id": job, "step": 3, "ts": time.time(), "path": f"/ckpt/{job}/3",
+            {"kind": "checkpoint", "job_id": job, "step": 3, "ts": time.time(), "path": checkpoint_path(client.app, job, 3),
              "files": 2, "bytes": 10},
             {"kind": "step", "job_id": "no-such-job", "rank": 0, "step": 1, "ts": 1.0, "loss": 1.0, "step_time_s": 0.1},
         ]

@@ -12,6 +12,7 @@ import pytest
 from controller.recovery.monitor import ON_RECORD_S, Monitor
 from controller.recovery.stacks import group_stacks, signature
 from tests.controller.recovery_env import API, Env
+from tests.live_controller import checkpoint_path
 
 
 def test_clean_run_has_no_incidents(env: Env) -> None:
@@ -258,7 +259,7 @@ def test_checkpoint_shadow_is_not_scored_until_the_checkpoint_completed(env: Env
     env.monitor.step()
     assert env.incidents() == []  # in the shadow: the checkpoint is not known complete
     env.post([{"kind": "checkpoint", "job_id": env.job_id, "rank": 0, "step": 100, "ts": at_100 + 0.1,
-               "path": "/ckpt/step-100", "world_size": 2}], "vigil-node-1")
+               "path": checkpoint_path(env.client.app, env.job_id, 100), "world_size": 2}], "vigil-node-1")
     env.monitor.step()  # complete at step 100 + 0.1 s: steps from 0.35 s on are scored, the newest 10: 106..115
     inc = env.incidents()
     assert [(i["kind"], i["rank"]) for i in inc] == [("straggler", 1)]
@@ -267,7 +268,7 @@ def test_checkpoint_shadow_is_not_scored_until_the_checkpoint_completed(env: Env
 
 def test_an_invalid_checkpoint_stays_on_record_after_its_folder_is_written_again(env: Env) -> None:
     ck = {"kind": "checkpoint", "job_id": env.job_id, "rank": 0, "step": 30, "ts": env.clock.now,
-          "path": "/ckpt/step-30", "world_size": 2}
+          "path": checkpoint_path(env.client.app, env.job_id, 30), "world_size": 2}
     env.post([ck], "vigil-node-1")
     env.post([{**ck, "valid": False, "message": "checksum mismatch in __0_0.distcp"}], "vigil-node-1")
     env.post([{**ck, "ts": env.clock.now + 5}], "vigil-node-1")  # the replay saves step 30 again

@@ -44,7 +44,7 @@ from controller.schemas import (
     Role,
     TelemetryBatch,
 )
-from tests.live_controller import LiveController, step_sample
+from tests.live_controller import LiveController, checkpoint_path, step_sample
 
 API = "/api/v1"
 
@@ -252,7 +252,7 @@ def test_markers_at_their_steps(live_controller: LiveController) -> None:
     lc.heartbeat("n1", ranks=[(job, 0, 4242)])
     post_steps(lc, job, [(0, s, t0 + s, 0.5) for s in range(1, 11)], node="n1")
     post_steps(lc, job, [(1, s, t0 + s, 0.5) for s in range(1, 11)], node="n2")  # n2: no heartbeat lists ranks
-    lc.post_batch("n1", [CheckpointSample(job_id=job, step=5, ts=t0 + 5.2, path="/ck/5")])
+    lc.post_batch("n1", [CheckpointSample(job_id=job, step=5, ts=t0 + 5.2, path=checkpoint_path(lc.app, job, 5))])
     lc.post_batch("n9", [])  # a node that never ran the job
     flush(lc)
     fault = lc.inject_fault(job, "kill_rank", rank=0, step=3, params={"mode": "agent"})
@@ -465,7 +465,7 @@ def test_goodput_endpoint_on_a_constructed_timeline(live_controller: LiveControl
     rows = [(r, k, T + 2 + k, 1.0) for k in range(1, 5) for r in range(2)]
     rows += [(r, k, T + 3 + k, 1.0) for k in range(5, 9) for r in range(2)]
     post_steps(lc, job, rows)
-    lc.post_batch("n1", [CheckpointSample(job_id=job, step=4, ts=T + 6.8, path="/ck/4")])
+    lc.post_batch("n1", [CheckpointSample(job_id=job, step=4, ts=T + 6.8, path=checkpoint_path(lc.app, job, 4))])
     flush(lc)
     post_steps(lc, job, [(r, k, T + 26 + k, 1.0) for k in range(5, 10) for r in range(2)], attempt=1)
     set_job_times(lc, job, started=T, finished=T + 40)

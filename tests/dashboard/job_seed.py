@@ -37,7 +37,7 @@ from controller.schemas import (
     Role,
     StepSample,
 )
-from tests.live_controller import LiveController
+from tests.live_controller import LiveController, checkpoint_path
 
 RANKS = 12
 NODES = {"node-a": tuple(range(6)), "node-b": tuple(range(6, 12))}
@@ -103,8 +103,9 @@ def _post_steps(ctl: LiveController, job_id: str, steps: range, t0: float, dt: f
         ctl.heartbeat(node, procs, samples)
 
 
-def _checkpoint(job_id: str, step: int, ts: float, *, valid: bool = True, message: str = "") -> CheckpointSample:
-    return CheckpointSample(job_id=job_id, rank=0, step=step, ts=ts, path=f"/shared/ckpt/{job_id}/step-{step}",
+def _checkpoint(ctl: LiveController, job_id: str, step: int, ts: float, *, valid: bool = True, message: str = ""
+                ) -> CheckpointSample:
+    return CheckpointSample(job_id=job_id, rank=0, step=step, ts=ts, path=checkpoint_path(ctl.app, job_id, step),
                             valid=valid, world_size=RANKS, files=RANKS + 1, bytes=48_000_000, manifest_sha256="ab" * 32,
                             message=message)
 
@@ -150,7 +151,7 @@ def seed_diagnosis(ctl: LiveController, name: str = "diagnose-me") -> Diagnosis:
     t0 = time.time()
     _sleep_until(t0 + DT * len(FIRST_RUN))
     _post_steps(ctl, job_id, FIRST_RUN, t0, DT)
-    ctl.post_batch("node-a", [_checkpoint(job_id, s, t0 + DT * (s + 1) + 0.01) for s in CHECKPOINTS])
+    ctl.post_batch("node-a", [_checkpoint(ctl, job_id, s, t0 + DT * (s + 1) + 0.01) for s in CHECKPOINTS])
     aggregate()
     # The fault fires at step 29 (rank 7 stopped); the job makes no progress: a hang, diagnosed from
     # both nodes' py-spy stacks.
@@ -173,7 +174,7 @@ def seed_diagnosis(ctl: LiveController, name: str = "diagnose-me") -> Diagnosis:
     # The restore finds the newest checkpoint corrupt and goes back to step 20; the ranks (those of the
     # evicted node now on node-c) re-run steps 21-39.
     acted = time.time()
-    ctl.post_batch("node-a", [_checkpoint(job_id, CORRUPT, acted + 0.05, valid=False,
+    ctl.post_batch("node-a", [_checkpoint(ctl, job_id, CORRUPT, acted + 0.05, valid=False,
                                           message="sha256 mismatch in model.pt")])
     _sleep_until(acted + 0.6 + DT * len(RERUN))
     _post_steps(ctl, job_id, RERUN, acted + 0.6, DT, {"node-a": NODES["node-a"], "node-c": NODES["node-b"]},

@@ -18,6 +18,8 @@ from sqlalchemy import create_engine, select
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster
 from controller.models import ApiToken
+from controller.probe import wait_for
+from controller.schemas import JobCreate
 from controller.tokens import hash_token
 from tests.e2e.user_project import finish, vigil_submit
 
@@ -27,12 +29,23 @@ PROBE_PY = '''
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
 HOME = Path(%(home)r)
+VICTIM = %(victim)r
+# A new process (not the rank the agent knows) speaking for another job: NaN losses, as if the victim diverged.
+FORGER = """
+import json, socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+items = [{"kind": "step", "job_id": sys.argv[2], "rank": 0, "step": i, "attempt": 0, "ts": time.time(),
+          "loss": None, "step_time_s": 0.1} for i in range(1, 6)]
+s.sendto(json.dumps(items).encode(), sys.argv[1])
+"""
 
 
 def _vigil_processes():
@@ -56,20 +69,25 @@ def _try(fn):
         return type(exc).__name__
 
 
-def _forge(agent_pid):
-    """A step sample that names the agent's pid as this rank's, to every agent socket on the host."""
-    sent = 0
+def _sockets():
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         path = line.split()[-1] if len(line.split()) >= 8 else ""
         if path.endswith(".sock") and "/agents/" in path:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            item = {"kind": "step", "job_id": os.environ.get("VIGIL_JOB_ID", ""), "rank": 0, "step": 0,
-                    "attempt": 0, "ts": time.time(), "loss": 1.0, "step_time_s": 0.1, "pid": agent_pid}
-            try:
-                s.sendto(json.dumps([item]).encode(), path)
-                sent += 1
-            except OSError:
-                pass
+            yield path
+
+
+def _forge(agent_pid):
+    """A step sample that names the agent's pid as this rank's, to every agent socket on the host."""
+    sent = 0
+    item = {"kind": "step", "job_id": os.environ.get("VIGIL_JOB_ID", ""), "rank": 0, "step": 0, "attempt": 0,
+            "ts": time.time(), "loss": 1.0, "step_time_s": 0.1, "pid": agent_pid}
+    for path in _sockets():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            s.sendto(json.dumps([item]).encode(), path)
+            sent += 1
+        except OSError:
+            pass
     return sent
 
 
@@ -84,6 +102,8 @@ def _probe(where):
     agents = [p for p, c in procs if "agent" in c]
     found["forged_to"] = _forge(agents[0]) if agents else 0
     found["forged_pid"] = agents[0] if agents else None
+    found["victim_sends"] = sum(subprocess.run([sys.executable, "-c", FORGER, path, VICTIM]).returncode == 0
+                                for path in _sockets())
     url, token, job = (os.environ.get(k) for k in ("VIGIL_CONTROLLER_URL", "VIGIL_TOKEN", "VIGIL_JOB_ID"))
     if url and token and job:
         r = httpx.post(f"{url}/api/v1/jobs/{job}/faults", headers={"Authorization": f"Bearer {token}"},
@@ -113,12 +133,18 @@ def test_a_jobs_code_reaches_no_secret_and_no_process_of_vigils(
     cluster, client = shared_cluster, shared_client
     proj = tmp_path / "probe-project"
     proj.mkdir()
-    (proj / "probe.py").write_text(PROBE_PY % {"home": str(cluster.home)})
     spec_file = tmp_path / "probe.yaml"
     spec_file.write_text(yaml.safe_dump({"name": "probe", "entrypoint": "probe:train", "steps": 1,
                                          "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}}))
-    job_id = vigil_submit(cluster, spec_file, proj)
-    finish(client, job_id)
+    # The victim: a job whose ranks never start (more workers than the cluster has), its driver on the head.
+    victim = client.submit_job(JobCreate(name="victim", steps=5, scaling={"min_workers": 8, "max_workers": 8,
+                                                                          "cpus_per_worker": 1})).id
+    (proj / "probe.py").write_text(PROBE_PY % {"home": str(cluster.home), "victim": victim})
+    try:
+        job_id = vigil_submit(cluster, spec_file, proj)
+        finish(client, job_id)
+    finally:
+        client.cancel_job(victim)
     assert cluster.storage is not None
     found = {p.name: json.loads(p.read_text()) for p in (cluster.storage / "probe" / job_id).glob("*.json")}
     assert sum(n.startswith("rank-") for n in found) == 2 and any(n.startswith("import-") for n in found), sorted(found)
@@ -150,3 +176,10 @@ def test_a_jobs_code_reaches_no_secret_and_no_process_of_vigils(
     nodes = client.list_nodes().data
     assert not forged & {r.pid for n in nodes for r in n.ranks}, forged
     assert sum(int(n.host.get("agent", {}).get("forged_samples", 0)) for n in nodes) >= 1
+    # The victim's NaN losses, sent by a new process through its node's agent, reached the controller and were
+    # refused there: no node of the probe ran any of the victim's processes.
+    assert all(f["victim_sends"] >= 1 for n, f in found.items() if n.startswith("rank-")), found
+    wait_for(lambda: any(e.kind == "telemetry_refused" for e in client.list_events(job_id=victim).data), 30,
+             "the refusal of the victim's forged samples")
+    assert client.get_job(victim).last_step is None
+    assert client.job_metrics(victim).ranks == []
