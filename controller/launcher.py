@@ -155,7 +155,7 @@ class RayJobLauncher:
             info = self._client.get_job_info(launch_id)
             if not info.job_id:
                 return set()
-            actors = list_actors(address=self.address, filters=[("job_id", "=", info.job_id)], limit=100_000,
+            actors = list_actors(address=self.address, filters=[("job_id", "=", info.job_id)], limit=10_000,
                                  timeout=10, raise_on_missing_output=False)
         except Exception as exc:
             raise LaunchError(f"could not read where {launch_id} runs: {exc}") from exc
