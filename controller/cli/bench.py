@@ -17,6 +17,7 @@ BENCHMARKS = {
     "recovery": "controller.bench.recovery",
     "chaos": "controller.bench.chaos",
     "dashboard": "controller.bench.dashboard",
+    "security": "controller.bench.security",
 }
 """What ``vigil bench NAME`` runs: NAME -> the module run with ``python -m``."""
 
@@ -32,6 +33,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench`` on ``sub``; its own flags pass through to the benchmark."""
-    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, chaos, speedup, dashboard).",
+    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, chaos, speedup, dashboard, security).",
                        add_help=False)
     b.add_argument("what")
