@@ -6,6 +6,7 @@ veth ``eth0`` at 200 Mbit/s; the controller listens on 127.0.0.1 and the bridge 
 agent runs inside its node's namespace. A 2-rank DDP AdamW job runs across the two namespaced
 nodes with gloo on ``eth0``; a ``degrade_nic`` fault (25%) on one node is carried out by that
 node's agent, the monitor opens an incident naming it, clearing the fault restores the link, and
+a job attacking Vigil from inside the namespaces (controller/bench/security.py) is refused everything, and
 stopping the cluster leaves no namespace, link or process behind. On the way: (a) the gradient
 all-reduce's transfer time matches the link's bandwidth and grows about 4x when the link drops to
 25%; (b) the agent's eth0 counter counts the bytes the rank's collectives report.
@@ -25,6 +26,8 @@ import psutil
 import pytest
 
 from controller import netns
+from controller.bench.security import report, run_attacks
+from controller.client import VigilClient
 from controller.localcluster import free_port, start_local_cluster
 from controller.probe import wait_for
 
@@ -136,6 +139,13 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
         wait_for(lambda: link_rate("vigil-node-2") == 200_000_000, 60, "the configured link back", 1.0)
         assert link_rate("vigil-node-1") == 200_000_000
         api.post(f"/jobs/{job_id}/cancel")
+        # A tenant's attacks from inside the namespaces (as on the plain cluster: tests/e2e/test_tenant.py):
+        # its driver and ranks never root, every secret, process and other job out of reach.
+        with VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30) as client:
+            attacks = run_attacks(cluster, client, tmp_path / "attacks")
+        allowed = [a for a in attacks if not a.refused]
+        assert not allowed, "\n".join(f"{a.where} {a.name}: {a.detail}" for a in allowed)
+        assert report(attacks)["secrets_readable_by_job"] == 0 and len(attacks) >= 27
     finally:
         cluster.stop(discard_storage=True)
     time.sleep(1)
