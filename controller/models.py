@@ -180,6 +180,19 @@ class Event(Base):
     data: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
 
+class CodePackage(Base):
+    """One uploader's claim on a stored code package (controller/package_store.py): what counts against
+    that user's quota; the rows go with the file when it is garbage-collected."""
+
+    __tablename__ = "code_packages"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(32), primary_key=True, index=True)
+    """The uploading token's id ('' without one)."""
+    size: Mapped[int] = mapped_column(BigInteger)
+    uploaded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class ApiToken(Base):
     """A bearer token of the REST API. Only a hash of the secret is kept (see ``controller.tokens``)."""
 

@@ -27,7 +27,7 @@ import stat
 import struct
 import tempfile
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -265,10 +265,14 @@ def package_exists(packages_dir: Path, ref: str) -> bool:
 
 
 def store_package(data: bytes, packages_dir: Path, *, max_bytes: int, max_unzipped_bytes: int,
-                  max_files: int) -> tuple[PackageInfo, bool]:
+                  max_files: int, admit: Callable[[PackageInfo], None] | None = None) -> tuple[PackageInfo, bool]:
     """Check ``data`` and store it under its hash; ``(info, created)``. Idempotent: the same bytes are
-    stored once. Written to a temporary file in the same folder, then renamed: never half a package."""
+    stored once. Written to a temporary file in the same folder, then renamed: never half a package.
+    ``admit(info)`` runs once the package is found valid and before anything is written (it may raise:
+    a quota)."""
     info = validate_package(data, max_bytes=max_bytes, max_unzipped_bytes=max_unzipped_bytes, max_files=max_files)
+    if admit is not None:
+        admit(info)
     packages_dir = Path(packages_dir)
     target = packages_dir / f"{info.sha256}.zip"
     if target.is_file():

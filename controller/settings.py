@@ -115,6 +115,12 @@ class Settings(BaseSettings):
         256 * 1024 * 1024, gt=0, description="Most bytes a code package may unpack to (zip bombs are refused)."
     )
     max_package_files: int = Field(10_000, gt=0, description="Most entries a code package may hold.")
+    package_quota_bytes: int = Field(
+        1 << 30, gt=0, description="Most bytes of code packages one user's token may keep stored (an admin: no "
+        "limit); packages no recent job uses are removed first (package_keep_s).")
+    package_keep_s: float = Field(
+        86_400.0, ge=0, description="A code package no unfinished job uses is removed once this long has passed "
+        "since its upload and since the last job using it was created or ended.")
 
     def resolved_storage_path(self) -> Path:
         """Where the jobs this controller starts keep their checkpoints: :attr:`storage_path`, else
