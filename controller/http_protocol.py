@@ -4,13 +4,17 @@ uvicorn bounds an idle keep-alive connection (``timeout_keep_alive``) but not a 
 and sends its request line and headers a byte at a time: many such clients (slowloris) hold sockets open for
 ever, until the controller runs out of them and the agents' heartbeats stop getting through, so their nodes
 look dead. Here a request's headers must arrive within :data:`HEADER_TIMEOUT_S` of its first byte (or of the
-connection, for the first request); otherwise the connection is closed. ``vigil controller`` serves with it.
+connection, for the first request); otherwise the connection is closed. And one client (a peer address) may
+hold at most :data:`MAX_CONNECTIONS_PER_CLIENT` connections at once: beyond, a new one is closed at once, so
+one host cannot take every socket from the others' agents. ``vigil controller`` serves with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections import Counter
+from typing import ClassVar
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -18,13 +22,28 @@ HEADER_TIMEOUT_S = float(os.environ.get("VIGIL_HEADER_TIMEOUT_S", "10"))
 """Seconds a client has to send a request's line and headers (``VIGIL_HEADER_TIMEOUT_S``)."""
 
 
+MAX_CONNECTIONS_PER_CLIENT = int(os.environ.get("VIGIL_MAX_CONNECTIONS_PER_CLIENT", "256"))
+"""Connections one peer address may hold open at once (``VIGIL_MAX_CONNECTIONS_PER_CLIENT``). Generous: on one
+machine every agent, the dashboard and the CLI share 127.0.0.1."""
+
+
 class HeaderDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's headers (module docstring)."""
+    """uvicorn's h11 protocol with a deadline on each request's headers and a cap per client (module docstring)."""
 
     _header_timer: asyncio.TimerHandle | None = None
+    _peer: str | None = None
+    _open: ClassVar[Counter[str]] = Counter()
+    """Open connections by peer address, in this process (one event loop serves them all)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        peer = self.client[0] if self.client else None
+        if peer is not None:
+            if self._open[peer] >= MAX_CONNECTIONS_PER_CLIENT:
+                transport.close()
+                return
+            self._peer = peer
+            self._open[peer] += 1
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -37,6 +56,11 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._peer is not None:
+            self._open[self._peer] -= 1
+            if self._open[self._peer] <= 0:
+                del self._open[self._peer]
+            self._peer = None
         super().connection_lost(exc)
 
     def _arm(self) -> None:

@@ -86,3 +86,25 @@ def test_an_idle_connection_and_a_slow_second_request_are_closed_a_quick_one_is_
         assert _response(c).startswith(b"HTTP/1.1 200")
         c.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHo")  # the next request, kept alive, then stalls
         assert _closed_within(c, 5.0)
+
+
+def test_one_client_cannot_hold_more_than_its_share_of_connections(port: int, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    """Finding (issue 23): no connection limits. One peer address holds at most MAX_CONNECTIONS_PER_CLIENT."""
+    monkeypatch.setattr(http_protocol, "MAX_CONNECTIONS_PER_CLIENT", 3)
+    monkeypatch.setattr(http_protocol, "HEADER_TIMEOUT_S", 30.0)  # only the cap may close them here
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as extra:
+            assert _closed_within(extra, 2.0), "a fourth connection of the same client was kept"
+        for s in held:  # the first three are served
+            s.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b" 200 " in _response(s)
+        held.pop().close()
+        time.sleep(0.2)  # the server sees the close
+        with socket.create_connection(("127.0.0.1", port)) as again:  # a slot is free again: served
+            again.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b" 200 " in _response(again)
+    finally:
+        for s in held:
+            s.close()
