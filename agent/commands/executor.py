@@ -146,12 +146,27 @@ class CommandExecutor(FileKinds, StackKinds, NodeKinds):
 
     # -- the pid rule -----------------------------------------------------------------------------
     def _target(self, pid: int) -> psutil.Process:
-        """The live process ``pid`` if the controller may act on it; CommandError otherwise."""
+        """The live process ``pid`` if the controller may act on it; CommandError otherwise: a rank this agent
+        saw send (the kernel named the sender) or a process under this node's raylet, and, where the raylet
+        is known, one that runs as the raylet's user (ranks run as that user: never a process of root's
+        while ranks are unprivileged)."""
         if pid in protected_pids():
             raise CommandError(f"refused: pid {pid} is the agent, one of its ancestors, or init")
         proc = live_process(pid)
         if proc is None:
             raise CommandError(f"no such process: {pid}")
+        try:
+            raylet = self.locator.raylet()
+        except CommandError:
+            raylet = None
+        if raylet is not None:
+            try:
+                theirs, mine = proc.uids().real, raylet.uids().real
+            except psutil.Error as exc:
+                raise CommandError(f"no such process: {pid} ({exc})") from None
+            if theirs != mine:
+                raise CommandError(f"refused: pid {pid} runs as uid {theirs}, not as node {self.config.node_id}'s "
+                                   f"Ray workers (uid {mine})")
         seen = self._rank_pids().get(pid)
         if seen is not None:
             try:
@@ -161,10 +176,6 @@ class CommandExecutor(FileKinds, StackKinds, NodeKinds):
             if started <= seen + 1.0:
                 return proc
             raise CommandError(f"refused: pid {pid} started after this rank's last sample (a reused pid)")
-        try:
-            raylet = self.locator.raylet()
-        except CommandError:
-            raylet = None
         if raylet is not None and pid in {p.pid for p in _descendants(raylet)}:
             return proc
         raise CommandError(
