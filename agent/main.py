@@ -128,6 +128,7 @@ class Agent:
                     raylet_pid=config.raylet_pid,
                     ray_start_pid=config.ray_start_pid,
                     ray_join_cmd=config.ray_join_cmd,
+                    rank_group=config.socket_group,
                     pyspy_timeout_s=config.pyspy_timeout_s,
                     raylet_stop_grace_s=config.raylet_stop_grace_s,
                     raylet_start_wait_s=config.raylet_start_wait_s,

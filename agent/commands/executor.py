@@ -58,6 +58,9 @@ class ExecutorConfig:
     ray_start_pid: int | None = None
     #: argv that (re)joins this node to the cluster (``start_raylet``); None: readmission unsupported.
     ray_join_cmd: list[str] | None = None
+    #: The ranks' group when they run as another user than the agent: a job's fault folder is theirs to
+    #: write (a rank renames its fault file to ``.fired`` before acting on it).
+    rank_group: int | None = None
     #: Longest one ``py-spy dump`` may take.
     pyspy_timeout_s: float = 10.0
     #: ``stop_raylet``: seconds between SIGTERM and SIGKILL.

@@ -55,6 +55,9 @@ class FileKinds:
                     ok=True, message=f"{path} already fired", output={"path": str(path), "fired": True}
                 )
         path.parent.mkdir(parents=True, exist_ok=True)
+        if self.config.rank_group is not None:  # the ranks (another user) rename it to .fired: their folder
+            os.chown(path.parent, -1, self.config.rank_group)
+            path.parent.chmod(0o770)
         # Atomic: the rank's once-per-step stat sees either no file or the whole file.
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         try:

@@ -69,3 +69,27 @@ def test_a_root_process_is_never_a_target_while_ranks_run_as_another_user(tmp_pa
         ex.close()
         victim.kill()
         victim.wait(10)
+
+
+def test_a_fault_file_is_the_unprivileged_ranks_to_mark_fired() -> None:
+    """Ranks run as another user: the job's fault folder is their group's (they rename a file to ``.fired``
+    before acting on it); the run folder above stays the agent's."""
+    run = Path(tempfile.mkdtemp(prefix="vgf-", dir="/tmp"))
+    run.chmod(0o755)
+    try:
+        ex = CommandExecutor(ExecutorConfig(node_id="n", run_dir=run, storage_root=run, rank_group=65534))
+        try:
+            r = ex.run(CommandKind.WRITE_FAULT_FILE, {"job_id": "job-1", "rank": 0, "fault": {"kind": "nan_loss",
+                                                                                             "step": 3}})
+        finally:
+            ex.close()
+        path = Path(r.output["path"])
+        mark = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "mv", str(path),
+                               f"{path}.fired"], capture_output=True, text=True, check=False)
+        assert mark.returncode == 0, mark.stderr
+        assert (run.stat().st_uid, run.stat().st_mode & 0o777) == (0, 0o755)
+        planted = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "touch",
+                                  str(run / "x")], capture_output=True, text=True, check=False)
+        assert planted.returncode != 0  # nothing of its own beside the agent's socket
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
