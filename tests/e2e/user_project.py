@@ -4,8 +4,6 @@ source text written into a temporary folder Vigil knows nothing about; and how a
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from controller.client import VigilClient
@@ -108,16 +106,6 @@ if __name__ == "__main__":
     a = p.parse_args()
     loop(a.width, a.steps, a.log_dir)
 '''
-
-
-def vigil_submit(cluster: LocalCluster, spec_file: Path, working_dir: Path) -> str:
-    """`vigil submit SPEC --working-dir DIR` as a user runs it; the job id it prints."""
-    env = {**os.environ, "VIGIL_TOKEN": cluster.admin_token, "VIGIL_CONTROLLER_URL": cluster.controller_url}
-    out = subprocess.run([sys.executable, "-m", "controller.cli", "submit", str(spec_file), "--working-dir",
-                          str(working_dir)], capture_output=True, text=True, env=env, timeout=120, check=False,
-                         cwd=working_dir.parent)
-    assert out.returncode == 0, f"vigil submit failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
-    return out.stdout.strip().splitlines()[-1].strip()
 
 
 def finish(client: VigilClient, job_id: str, timeout: float = 360) -> None:
