@@ -50,12 +50,14 @@ from agent.commands import (
     CommandTransport,
     ExecutorConfig,
 )
+from agent.commands.raylet import RayletLocator
 from agent.config import TOKEN_ENVS, AgentConfig
 from agent.failover import FailoverClient
 from agent.gpu import GpuCollector
 from agent.ranksocket import SocketInUseError
 from agent.receiver import ExitWatcher, RankTracker, Receiver, SampleBuffer
 from agent.rundir import prepare_run_dir
+from agent.senders import CachedRaylet, WorkerRoots
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
 from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat
@@ -105,8 +107,11 @@ class Agent:
         # Exact exit times of the ranks' processes: names the rank that died first (receiver.ExitWatcher).
         self.exits = ExitWatcher()
         prepare_run_dir(config.run_dir)  # before anything is put there: a folder made by someone else is refused
+        # A sender's job is bound to its Ray worker (the raylet's child above it), found by its raylet.
+        locator = RayletLocator(config.node_id, config.raylet_pid)
+        roots = WorkerRoots(CachedRaylet(lambda: getattr(locator.raylet(), "pid", None)))
         self.receiver = Receiver(config.socket_path, self.buffer, ranks=RankTracker(exits=self.exits),
-                                 socket_group=config.socket_group)
+                                 socket_group=config.socket_group, roots=roots)
         # The spool first: it refuses a folder another agent holds, before anything else is opened.
         self.spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
         self._client: FailoverClient | None = None

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 from pydantic import TypeAdapter, ValidationError
 
 from agent.ranksocket import Sender, bind_datagram_socket, recv_with_sender
+from agent.senders import SenderJobs, WorkerRoots, process_alive, process_start_time
 from controller.background import BackgroundLoop
 from controller.schemas import (
     CheckpointSample,
@@ -99,24 +99,6 @@ class SampleBuffer:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
-
-
-def process_alive(pid: int) -> bool:
-    """True when ``pid`` is a live process: a zombie (or missing pid) is dead, a stopped one
-    (state T: a hung or throttled rank) is alive - a hang is not a death."""
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        # AccessDenied cannot happen for status() on Linux; be safe and fall back on existence.
-        return psutil.pid_exists(pid) if pid > 0 else False
-
-
-def process_start_time(pid: int) -> float | None:
-    """When ``pid`` started (unix time, as psutil computes it: stable for one process), or None."""
-    try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.Error, ValueError, OSError):
-        return None
 
 
 #: Two readings of one process's start time agree to well within this (they are the same number);
@@ -349,10 +331,11 @@ class Receiver(BackgroundLoop):
         clock: Callable[[], float] = time.monotonic,
         log_every_s: float = 10.0,
         socket_group: int | None = None,
+        roots: WorkerRoots | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
+        self.jobs = SenderJobs(roots)
         self.socket_group = socket_group
-        self._jobs_of: dict[int, tuple[str, float | None]] = {}  # sender pid -> (its job, its start time)
         self.buffer = buffer
         self.ranks = ranks if ranks is not None else RankTracker()
         self.stats = ReceiverStats()
@@ -420,7 +403,9 @@ class Receiver(BackgroundLoop):
         datagram is still counted as invalid. With the kernel's ``sender``, a step sample naming
         another process (``pid``) is refused, and so is any sample of a job other than the one its
         sender's first sample named: a rank cannot point the agent's signals at a process that is not
-        its own, nor speak for two jobs (both counted in ``forged_samples``).
+        its own, nor speak for two jobs; with ``roots`` (the raylet known) the job is the one Ray started
+        the sender's worker for, so a process a rank spawns speaks for that rank's job or not at all,
+        and a process under no Ray worker of this node is refused (all counted in ``forged_samples``).
         """
         self.stats.datagrams += 1
         try:
@@ -437,21 +422,10 @@ class Receiver(BackgroundLoop):
         return 0
 
     def _own(self, samples: list[Sample], sender: Sender) -> list[Sample]:
-        known = self._jobs_of.get(sender.pid)
-        if known is not None and known[0] != samples[0].job_id and process_start_time(sender.pid) != known[1]:
-            known = None  # the pid names a new process now
-        if known is None:
-            if len(self._jobs_of) >= MAX_TRACKED_RANKS:  # forget senders that are gone
-                self._jobs_of = {p: j for p, j in self._jobs_of.items() if process_alive(p)}
-            known = self._jobs_of[sender.pid] = (samples[0].job_id, process_start_time(sender.pid))
-        job = known[0]
-        mine = [s for s in samples if s.job_id == job and getattr(s, "pid", None) in (None, sender.pid)]
+        mine, why = self.jobs.own(samples, sender)
         if len(mine) < len(samples):
             self.stats.forged_samples += len(samples) - len(mine)
-            bad = next(s for s in samples if s not in mine)
-            self._warn(f"refused {len(samples) - len(mine)} samples from pid {sender.pid} (uid {sender.uid}): "
-                       f"they name pid {getattr(bad, 'pid', None)} of job {bad.job_id!r}, the sender is "
-                       f"pid {sender.pid} of job {job!r}")
+            self._warn(f"refused {len(samples) - len(mine)} samples from pid {sender.pid} (uid {sender.uid}): {why}")
         return mine
 
     def _salvage(self, data: bytes, exc: ValidationError) -> list[Sample]:

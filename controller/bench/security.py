@@ -243,20 +243,26 @@ def _judge_victim(client: VigilClient, found: dict[str, Any], victim: str) -> li
                               f"agents counted {forged_counted} forged samples; pid {f['forged_pid']} "
                               f"{'not ' if f['forged_pid'] not in ranks else ''}listed as a rank"))
     sent = sum(f.get("victim_sends", 0) for f in found.values())
-    refused = _wait_refused(client, victim) if sent else False
+    refused = _wait_refused(client, victim, at_agents=5 * sent + sum(f.get("forged_to", 0) for f in found.values())) if sent else ""
     steps = client.get_job(victim).last_step
-    out.append(Attack("post NaN losses for another job through the agents", "job", sent > 0 and refused and steps is None,
-                      f"{sent} datagrams sent; refusal event: {refused}; victim's last step: {steps}"))
+    out.append(Attack("post NaN losses for another job through the agents", "job", sent > 0 and bool(refused)
+                      and steps is None, f"{sent} datagrams sent; refused: {refused or 'no'}; victim's last step: {steps}"))
     return out
 
 
-def _wait_refused(client: VigilClient, victim: str, timeout: float = 30) -> bool:
+def _wait_refused(client: VigilClient, victim: str, at_agents: int, timeout: float = 30) -> str:
+    """Where the victim's forged samples were refused: by the agents (a spawned process speaks for its
+    worker's job only) or by the controller (no rank of the victim on the node): '' when by neither."""
+    def where() -> str:
+        if any(e.kind == "telemetry_refused" for e in client.list_events(job_id=victim).data):
+            return "by the controller (telemetry_refused event)"
+        counted = sum(int(n.host.get("agent", {}).get("forged_samples", 0)) for n in client.list_nodes().data)
+        return f"by the agents ({counted} forged samples counted)" if counted >= at_agents else ""
+
     try:
-        wait_for(lambda: any(e.kind == "telemetry_refused" for e in client.list_events(job_id=victim).data),
-                 timeout, "the refusal of the victim's forged samples")
+        return wait_for(where, timeout, "the refusal of the victim's forged samples")
     except TimeoutError:
-        return False
-    return True
+        return ""
 
 
 def _token_row(database_url: str, token: str) -> tuple[str, str | None] | None:

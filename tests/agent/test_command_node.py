@@ -177,8 +177,11 @@ def test_kill_node_through_the_agent_stops_it_without_a_last_heartbeat(short_dir
         wait_for(lambda: worker_pids(standin_bin), timeout=20, what="stand-in node up")
         thread.start()
         wait_for(lambda: socket_ready(cfg.socket_path), timeout=10, what="agent socket")
-        # Rank 0 reports step 0: the controller learns where it runs (and that the job reached step 0).
-        send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, job_id=job, rank=0, pid=os.getpid())])])
+        # Rank 0 (the stand-in raylet's worker: the agent takes samples only from processes of this
+        # node's Ray workers) reports step 0: the controller learns where it runs and that it reached step 0.
+        worker = worker_pids(standin_bin)[0]
+        send_datagrams(str(cfg.socket_path), [datagram([step_dict(0, job_id=job, rank=0, pid=worker)])],
+                       as_pid=worker)
 
         def rank_on_node() -> bool:
             with live.client("viewer") as c:

@@ -15,9 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 
 from agent.receiver import RankTracker, Receiver, SampleBuffer
+from agent.senders import WorkerRoots
 from tests.agent.doubles import datagram, send_datagrams, step_dict
 
 
@@ -88,3 +90,70 @@ def test_an_unprivileged_rank_claiming_init_or_the_agent_is_refused(receiver: Re
         assert sender != claimed
     assert receiver.stats.forged_samples == 2
     assert tracked(receiver) == set()
+
+
+# A stand-in node: "raylet" -> "worker" (started with VIGIL_JOB_ID, as Ray starts a job's workers) -> a
+# process the worker spawned. Each prints its pid and sleeps; the agent sees the same tree as on a node.
+TREE = """
+import os, subprocess, sys, time
+depth = int(sys.argv[1])
+if depth < 2:
+    env = dict(os.environ)
+    if depth == 0:
+        env["VIGIL_JOB_ID"] = "job-a"  # the raylet starts the worker for job-a
+    else:
+        env.pop("VIGIL_JOB_ID", None)  # a spawned helper may drop or change its environment
+        env["VIGIL_JOB_ID"] = "job-b"
+    subprocess.Popen([sys.executable, "-c", sys.argv[2], str(depth + 1), sys.argv[2]], env=env)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def node_tree():
+    env = {k: v for k, v in os.environ.items() if k != "VIGIL_JOB_ID"}
+    raylet = subprocess.Popen([sys.executable, "-c", TREE, "0", TREE], stdout=subprocess.PIPE, text=True,
+                              env=env, start_new_session=True)
+    pids = [int(raylet.stdout.readline()) for _ in range(3)]  # any order: sort by parentage below
+    by_parent = {psutil.Process(p).ppid(): p for p in pids}
+    worker = by_parent[raylet.pid]
+    helper = by_parent[worker]
+    yield raylet.pid, worker, helper
+    os.killpg(raylet.pid, 9)
+    raylet.wait(10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sends with other processes' credentials (root only)")
+def test_a_process_spawned_by_a_rank_cannot_speak_for_another_job(node_tree) -> None:
+    raylet, worker, helper = node_tree
+    folder = Path(tempfile.mkdtemp(prefix="vgs-", dir="/tmp"))
+    r = Receiver(folder / "agent.sock", SampleBuffer(capacity=100), ranks=RankTracker(),
+                 roots=WorkerRoots(lambda: raylet))
+    r.bind()
+    try:
+        path = str(r.socket_path)
+        # The helper speaks first, for job-b (its own environment says job-b): refused, the worker is job-a's.
+        send_datagrams(path, [datagram([step_dict(0, job_id="job-b", pid=helper)])], as_pid=helper)
+        drain(r)
+        assert r.stats.forged_samples == 1 and len(r.buffer) == 0
+        # The same helper for job-a, and the worker itself: accepted (torchrun's ranks are such helpers).
+        send_datagrams(path, [datagram([step_dict(1, job_id="job-a", pid=helper)])], as_pid=helper)
+        send_datagrams(path, [datagram([step_dict(2, job_id="job-a", pid=worker)])], as_pid=worker)
+        drain(r)
+        assert [(s.job_id, s.pid) for s in r.buffer.take(10)] == [("job-a", helper), ("job-a", worker)]
+        # A process under no worker of this raylet (here: pytest itself, or the raylet) is refused.
+        for outsider in (os.getpid(), raylet):
+            send_datagrams(path, [datagram([step_dict(3, job_id="job-a", pid=outsider)])], as_pid=outsider)
+        drain(r)
+        assert r.stats.forged_samples == 3 and len(r.buffer) == 0
+    finally:
+        r.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_without_a_known_raylet_each_sender_stands_for_itself(receiver: Receiver) -> None:
+    receiver.jobs.roots = WorkerRoots(lambda: None)
+    send_datagrams(str(receiver.socket_path), [datagram([step_dict(0, job_id="job-a", pid=os.getpid())])])
+    drain(receiver)
+    assert len(receiver.buffer) == 1 and receiver.stats.forged_samples == 0
