@@ -209,8 +209,9 @@ def test_two_apps_on_one_sqlite_file_have_one_leader(tmp_path: Path, sqlite_url:
             assert a.state.monitor.running and not b.state.monitor.running
             assert not b.state.telemetry.running and not b.state.supervisor.running
             first.close()  # the leader's worker ends: the lock is released
-            wait_for(lambda: b.state.monitor.running, 10, "the other worker to take over", 0.05)
-            assert cb.get(f"{API}/healthz").json()["leader"] is True
+            # /healthz says leader only once the loops run (Leadership._gain): wait for the flag itself.
+            wait_for(lambda: cb.get(f"{API}/healthz").json()["leader"], 10, "the other worker to take over", 0.05)
+            assert b.state.monitor.running
 
 
 def test_standby_controllers_need_postgresql(tmp_path: Path, sqlite_url: str) -> None:
