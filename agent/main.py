@@ -50,7 +50,7 @@ from agent.commands import (
     CommandTransport,
     ExecutorConfig,
 )
-from agent.commands.raylet import RayletLocator
+from agent.commands.raylet import RayletLocator, discover_node_id
 from agent.config import TOKEN_ENVS, AgentConfig
 from agent.failover import FailoverClient
 from agent.gpu import GpuCollector
@@ -324,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vigil agent", description="Per-node Vigil agent: rank telemetry, node metrics, heartbeats."
     )
-    p.add_argument("--node-id", required=True, help="Node this agent watches (Ray node id).")
+    p.add_argument("--node-id", help="Node this agent watches: its Ray node name, or Ray node id (default: found "
+                   "from this host's raylet, its --node-name or else its node id).")
     p.add_argument("--agent-id", help="Agent identity for batch numbering (default: HOSTNAME-NODEID).")
     p.add_argument(
         "--controller",
@@ -393,11 +394,19 @@ def _json_argv(text: str) -> list[str]:
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     fields = {k: v for k, v in vars(args).items() if k != "log_level" and v is not None}
+    if "node_id" not in fields:
+        fields["node_id"] = discover_node_id()  # ValueError naming why, for the caller to print
     return AgentConfig(**fields)
 
 
+EXIT_NODE_KILLED = 3
+"""Exit status after the agent killed its own node on command: whoever keeps agents alive (``vigil up``'s
+keeper, a supervisor) must not start it again."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``vigil agent`` (and ``python -m agent``). Returns the exit status."""
+    """Entry point of ``vigil agent`` (and ``python -m agent``). Returns the exit status (0; 1: could not
+    start; 2: usage; :data:`EXIT_NODE_KILLED`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.token:
@@ -410,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValidationError as exc:
         parser.error(str(exc))
+    except ValueError as exc:  # no --node-id, and no single raylet on this host to take it from
+        parser.error(f"--node-id: {exc}")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     else:
@@ -421,4 +432,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("agent cannot start: %s", exc)
         return 1
     log.info("agent ran %.1fs%s", time.monotonic() - started, "; its node was killed" if lost else "")
-    return 0
+    return EXIT_NODE_KILLED if lost else 0

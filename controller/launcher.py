@@ -172,6 +172,8 @@ class RayNode:
     """The Ray head: GCS, job drivers and Ray Train controllers live there (never evicted)."""
     cpus: float | None = None
     """The node's CPUs in Ray (None: not known)."""
+    raylet: tuple[str, int] | None = None
+    """The raylet's address and port (its node manager), where Ray says (None: not known)."""
 
 
 class ClusterControl(Protocol):
@@ -207,7 +209,9 @@ class RayClusterControl:
             raise LaunchError(f"could not list Ray nodes at {self.gcs_address}: {exc}") from exc
         return [
             RayNode(node_id.hex(), info.node_name, "ALIVE" if info.state == GcsNodeInfo.ALIVE else "DEAD",
-                    is_head=bool(info.is_head_node), cpus=float(info.resources_total.get("CPU", 0.0)))
+                    is_head=bool(info.is_head_node), cpus=float(info.resources_total.get("CPU", 0.0)),
+                    raylet=(info.node_manager_address, int(info.node_manager_port))
+                    if info.node_manager_address and info.node_manager_port else None)
             for node_id, info in infos.items()
         ]
 

@@ -17,8 +17,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +27,12 @@ from pathlib import Path
 from typing import Self
 
 import httpx
-import psutil
 
+from controller.agentkeeper import AgentKeeper
 from controller.netns import LinkSpec, NetnsCluster
 from controller.netns import cleanup_stale as cleanup_stale_netns
 from controller.probe import free_port, wait_for
+from controller.processes import Child, ProcessGroup, clean_stale, kill_session  # noqa: F401 - re-exported
 from controller.rankuser import isolate
 from controller.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
 
@@ -59,143 +58,6 @@ def ensure_ray_token() -> None:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
         log.info("created Ray auth token at %s", path)
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    argv: list[str] = field(default_factory=list, repr=False)
-    env: dict[str, str] = field(default_factory=dict, repr=False)
-    """What started it (:meth:`ProcessGroup.restart` starts it again the same way)."""
-
-
-@dataclass
-class ProcessGroup:
-    """Child processes, each in its own session, stopped together (newest first)."""
-
-    pid_file: Path
-    children: list[Child] = field(default_factory=list)
-
-    def start(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"{name}.log"
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        child = Child(name, proc, log_path, list(argv), dict(env))
-        self.children.append(child)
-        self._write_pids()
-        return child
-
-    def child(self, name: str) -> Child:
-        """The running child called ``name``."""
-        return next(c for c in self.children if c.name == name)
-
-    def restart(self, name: str, down_s: float = 0.0) -> Child:
-        """``kill -9`` the child ``name`` (its whole session), wait ``down_s``, start it again as before."""
-        old = self.child(name)
-        self.stop_child(old)
-        time.sleep(down_s)
-        return self.start(name, old.argv, old.env, old.log_path.parent)
-
-    def stop_child(self, child: Child) -> None:
-        _signal_group(child.proc.pid, signal.SIGKILL)
-        kill_session(child.proc.pid)
-        try:
-            child.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            log.error("%s (pid %d) did not exit", child.name, child.proc.pid)
-        self.children.remove(child)
-        self._write_pids()
-
-    def _write_pids(self) -> None:
-        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
-        self.pid_file.write_text(json.dumps({c.name: c.proc.pid for c in self.children}))
-
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        # Ray's job drivers run in sessions of their own under a Ray worker: find every descendant
-        # now, while the tree is intact, so that none is left behind once its parents are gone.
-        descendants = [pid for child in self.children for pid in _descendants(child.proc.pid)]
-        for child in reversed(self.children):
-            _signal_group(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in reversed(self.children):
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left in any child's session (raylet workers, job drivers) goes now.
-        for child in reversed(self.children):
-            _signal_group(child.proc.pid, signal.SIGKILL)
-            kill_session(child.proc.pid)  # members that moved to another process group
-            try:
-                child.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                log.error("%s (pid %d) did not exit", child.name, child.proc.pid)
-        _kill_pids(descendants)
-        self.children.clear()
-        self.pid_file.unlink(missing_ok=True)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _session_members(sid: int) -> list[int]:
-    """Pids whose session id is ``sid`` (Ray may start helpers in their own process groups)."""
-    out = []
-    for pid in psutil.pids():
-        try:
-            if os.getsid(pid) == sid:
-                out.append(pid)
-        except OSError:
-            continue
-    return out
-
-
-def kill_session(sid: int) -> int:
-    """SIGKILL every process of session ``sid``; returns how many there were."""
-    members = _session_members(sid)
-    _kill_pids(members)
-    return len(members)
-
-
-def _kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _descendants(pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def clean_stale(pid_file: Path) -> int:
-    """Kill the sessions a crashed ``vigil up`` left behind (from its pid file)."""
-    if not pid_file.exists():
-        return 0
-    try:
-        pids = json.loads(pid_file.read_text())
-    except ValueError:
-        pids = {}
-    n = 0
-    for name, pid in pids.items():
-        killed = kill_session(int(pid))
-        if killed:
-            log.warning("killed %d leftover process(es) of %s from an earlier run", killed, name)
-        n += killed
-    pid_file.unlink(missing_ok=True)
-    return n
 
 
 @dataclass
@@ -226,9 +88,13 @@ class LocalCluster:
     """The jobs' checkpoint storage (``VIGIL_STORAGE_PATH`` of every process)."""
     rank_user: str | None = None
     """The user the ranks run as (controller/rankuser.py); None: this process's own."""
+    keeper: AgentKeeper | None = None
+    """Starts a dead agent again while its node's raylet runs (controller/agentkeeper.py)."""
 
     def stop(self, discard_storage: bool = False) -> None:
         """Stop every process; ``discard_storage``: also remove the checkpoints (tests)."""
+        if self.keeper is not None:
+            self.keeper.stop()
         self.procs.stop_all()
         if discard_storage and self.storage is not None:
             shutil.rmtree(self.storage, ignore_errors=True)
@@ -469,11 +335,13 @@ def start_local_cluster(
         shutil.rmtree(ray_temp, ignore_errors=True)
         _revoke(db_url, tokens.agent_token_ids)
         raise
+    keeper = AgentKeeper(procs, {f"agent-{i}": node_id for i, node_id in enumerate(node_ids)})
+    keeper.start()
     return LocalCluster(home, controller_url, f"{head_ip}:{gcs_port}", dashboard_url, node_ids, procs, ray_temp,
                         run_dir, controller_urls=controller_urls, controller_names=controller_names,
                         admin_token=tokens.admin, admin_token_path=tokens.admin_path, database_url=db_url,
                         agent_token_ids=tokens.agent_token_ids, netns=net, storage=iso.storage,
-                        rank_user=iso.user.name if iso.user else None)
+                        rank_user=iso.user.name if iso.user else None, keeper=keeper)
 
 
 def _answers(url: str) -> bool:

@@ -1,6 +1,7 @@
 """Package boundaries of DESIGN.md, the whole layering:
 
-    operator tools (controller/cli, localcluster, netns, controller/bench, vigil/bench): may compose anything
+    operator tools (controller/cli, localcluster, processes, agentkeeper, netns, controller/bench,
+    vigil/bench): may compose anything
     server (the rest of controller/)   agent   vigil (the rank runtime and API)   dashboard   examples
     the contract (CONTRACT below): standard library, pydantic, httpx; nothing of the packages above
 
@@ -42,8 +43,8 @@ CONTRACT = frozenset({
 })
 """What every package may import from controller/: wire models, the typed client, settings and the
 shared paths, optimizer params, the checkpoint layout, waiting, background loops, link shaping."""
-OPERATOR = ("controller/cli/", "controller/localcluster.py", "controller/netns.py", "controller/bench/",
-            "vigil/bench/")
+OPERATOR = ("controller/cli/", "controller/localcluster.py", "controller/processes.py", "controller/agentkeeper.py",
+            "controller/netns.py", "controller/bench/", "vigil/bench/")
 """Composition roots: they start and wire the packages together."""
 DASHBOARD_MOUNT = "controller/app.py"
 
@@ -123,7 +124,8 @@ def test_the_contract_stands_alone() -> None:
 
 
 def test_the_server_imports_no_operator_tool_and_no_other_package() -> None:
-    operator_modules = {"controller.cli", "controller.localcluster", "controller.netns", "controller.bench"}
+    operator_modules = {"controller.cli", "controller.localcluster", "controller.processes", "controller.agentkeeper",
+                        "controller.netns", "controller.bench"}
     offenders = {}
     for p in _sources("controller"):
         rel = _rel(p)

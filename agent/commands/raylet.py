@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -98,3 +98,34 @@ class RayletLocator:
             if parent is not None and _looks_like_ray_start(parent):
                 return parent
         return None
+
+
+def _flag(cmdline: Sequence[str], names: tuple[str, ...]) -> str | None:
+    for i, arg in enumerate(cmdline):
+        flag, eq, val = arg.partition("=")
+        if flag in names:
+            return val if eq else (cmdline[i + 1] if i + 1 < len(cmdline) else None)
+    return None
+
+
+def discover_node_id(processes: Callable[[], Iterable[psutil.Process]] | None = None) -> str:
+    """This host's Ray node as its raylet names it: the raylet's ``--node-name`` where the operator gave
+    one (``ray start --node-name``, ``vigil up``), else its Ray node id (hex). For an agent started by hand,
+    by a Kubernetes sidecar or by Ray itself, with no ``--node-id``. ValueError when no raylet, or several
+    (several raylets on one host: say which with ``--node-id``)."""
+    found = []
+    for p in (processes or psutil.process_iter)():
+        try:
+            if p.name() != "raylet":
+                continue
+            argv = p.cmdline()
+        except psutil.Error:
+            continue
+        node = _flag(argv, ("--node-name", "--node_name")) or _flag(argv, ("--node_id", "--node-id"))
+        if node:
+            found.append(node)
+    if not found:
+        raise ValueError("no Ray raylet runs on this host: start the agent beside one, or pass --node-id")
+    if len(set(found)) > 1:
+        raise ValueError(f"{len(found)} raylets run on this host ({', '.join(sorted(found))}): pass --node-id")
+    return found[0]

@@ -41,6 +41,7 @@ from controller.prometheus import MONITOR_LAST_PASS_SECONDS, MONITOR_PASS_SECOND
 from controller.recovery import actions, detectors, faults, incidents, policy, reads, stragglers
 from controller.recovery import nic as nic_detector
 from controller.recovery.actions import HeadNodeError, evict_node, is_head_node, readmit_node
+from controller.recovery.agents import AgentWatch
 from controller.recovery.detectors import Finding
 from controller.schemas import IncidentKind, JobCreate, RecoveryPolicy
 
@@ -87,6 +88,7 @@ class Monitor(BackgroundLoop):
         ``reconnect_grace_s``: a restarted controller's own absence is not the nodes' or the ranks'
         (node_lost, hang), and an agent that found it down comes back only at its next retry."""
         super().__init__()
+        self._agents = AgentWatch(cluster, clock)  # silent agents on live nodes, across passes
         self._nic = nic_detector.NicDetector()  # keeps each node's heartbeat history across passes
         self._on_record: dict[tuple[str, str, str | None], float] = {}  # ON_RECORD_S: (job, kind, node) -> last seen
 
@@ -118,7 +120,11 @@ class Monitor(BackgroundLoop):
     def _nodes(self, s: Session, now: float) -> None:
         for inc in detectors.nodes_heard_again(s):
             incidents.close(inc, (f"{inc.action}; " if inc.action else "") + "heartbeats resumed")
-        for lost in detectors.lost_nodes(s, now, self.node_timeout_s, since=self.started_at + self.reconnect_grace_s):
+        lost_nodes = detectors.lost_nodes(s, now, self.node_timeout_s, since=self.started_at + self.reconnect_grace_s)
+        self._agents.heard(s, {n.id for n in reads.alive_nodes(s)} - {lost.node_id for lost in lost_nodes})
+        for lost in lost_nodes:
+            if self._agents.agent_only(s, lost.node_id, lost.age_s):
+                continue  # its agent died, the node lives: an event, no incident (controller/recovery/agents.py)
             actions.mark_node_dead(s, lost.node_id, lost.age_s)
             for finding in lost.findings:
                 job = s.get(Job, finding.job_id) if finding.job_id else None
