@@ -7,6 +7,7 @@ controller runs it in a background thread every ``interval`` seconds (and at onc
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -21,6 +22,9 @@ from controller.settings import ENV_TOKEN
 from controller.tokens import create_token, revoke_job_tokens
 
 log = logging.getLogger(__name__)
+
+FINAL_LINE_SEARCH_CHARS = 65_536
+"""The end of a finished driver's log searched for its final step."""
 
 
 class Supervisor(BackgroundLoop):
@@ -78,6 +82,28 @@ class Supervisor(BackgroundLoop):
             # A job can finish between two polls: pass through RUNNING so the life cycle stays legal.
             transition(session, job, JobStatus.RUNNING)
         transition(session, job, st.status, st.message if st.status == JobStatus.FAILED else None)
+        if st.status == JobStatus.SUCCEEDED:
+            self._final_step(session, job)
+
+    def _final_step(self, session: Session, job: Job) -> None:
+        """The job's own word on where it ended (its driver's last line, vigil/driver.py): telemetry that
+        never reached the controller (an agent that died, samples a rank could not deliver) must not make
+        a finished job look short. Only ever raises ``last_step``."""
+        assert self.launcher is not None and job.ray_job_id is not None
+        try:
+            tail = self.launcher.logs(job.ray_job_id)[-FINAL_LINE_SEARCH_CHARS:]
+        except LaunchError as exc:
+            log.info("job %s: no driver log to read its final step from: %s", job.id, exc)
+            return
+        found = re.findall(rf"vigil trainer: job {re.escape(job.id)} SUCCEEDED step=(\d+)", tail)
+        if not found:
+            return
+        final = int(found[-1])
+        if job.last_step is None or final > job.last_step:
+            record_event(session, "final_step", f"the driver reports step {final}; telemetry had reached "
+                         f"{job.last_step if job.last_step is not None else 'none'}", job_id=job.id,
+                         data={"final_step": final, "telemetry_step": job.last_step})
+            job.last_step = final
 
     # -- background thread (BackgroundLoop: start, stop, wake) ------------------------------------
     thread_name = "vigil-supervisor"

@@ -19,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from controller.app import create_app
+from controller.db import session_scope
 from controller.launcher import LaunchStatus
 from controller.models import CollectiveMetric, Event, Job, StepMetric, TelemetryBatchSeen
 from controller.schemas import JobStatus
@@ -133,6 +134,29 @@ def test_supervisor_launches_and_follows_status(client: TestClient, launcher: Fa
     assert client.get(f"{API}/jobs/{job_id}", headers=driver).status_code == 401  # revoked when the job ended
     kinds = [e["message"] for e in client.get(f"{API}/events", params={"job_id": job_id}).json()["data"]]
     assert "PENDING -> RUNNING" in kinds and "RUNNING -> SUCCEEDED" in kinds
+
+
+def test_a_finished_job_ends_at_the_step_its_driver_reports(client: TestClient, launcher: FakeLauncher) -> None:
+    """Telemetry that never arrived (an agent killed mid-job) must not make a finished job look short."""
+    short, long_ = (client.post(f"{API}/jobs", json=_job()).json()["id"] for _ in range(2))
+    sup = client.app.state.supervisor
+    sup.step()
+    for job_id, said in ((short, 600), (long_, 3)):
+        launch_id = client.get(f"{API}/jobs/{job_id}").json()["ray_job_id"]
+        launcher.log_text[launch_id] = (f"vigil trainer: job other SUCCEEDED step=900 loss=None\n"  # not this job
+                                        f"vigil trainer: job {job_id} SUCCEEDED step={said} loss=0.1 val_loss=None\n")
+        launcher.statuses[launch_id] = LaunchStatus(JobStatus.RUNNING)
+    sup.step()
+    with session_scope(client.app.state.sessions) as s:
+        for job_id in (short, long_):
+            s.get(Job, job_id).last_step = 410
+    for job_id in (short, long_):
+        launcher.statuses[client.get(f"{API}/jobs/{job_id}").json()["ray_job_id"]] = LaunchStatus(JobStatus.SUCCEEDED)
+    sup.step()
+    assert client.get(f"{API}/jobs/{short}").json()["last_step"] == 600
+    assert client.get(f"{API}/jobs/{long_}").json()["last_step"] == 410  # never lowered
+    events = client.get(f"{API}/events", params={"job_id": short}).json()["data"]
+    assert any(e["kind"] == "final_step" and "410" in e["message"] for e in events)
 
 
 def test_job_finishing_between_polls_passes_through_running(client: TestClient, launcher: FakeLauncher) -> None:
