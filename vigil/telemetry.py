@@ -72,6 +72,9 @@ lets a step with many collectives go out in one burst. Still a fixed kernel boun
 DRAIN_S = 5.0
 """How long closing waits for a busy agent to take the datagrams not yet delivered (the last steps of a
 rank that ends while its agent's queue is full would otherwise go nowhere). No agent: no wait."""
+AGENT_RETURN_S = 15.0
+"""How long closing waits for an agent to listen again when the one this rank spoke to is gone (``vigil
+up``'s keeper and the Ray-deployed agents start a dead agent again within seconds)."""
 
 # Errors that mean "no agent right now" or "agent busy": expected, counted, not logged each time.
 _EXPECTED_ERRNOS = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
@@ -361,19 +364,25 @@ class RankTelemetry:
         self.flush()
 
     @_locked
-    def drain(self, timeout_s: float = DRAIN_S) -> int:
+    def drain(self, timeout_s: float = DRAIN_S, return_s: float = AGENT_RETURN_S) -> int:
         """Send what is not delivered yet, waiting up to ``timeout_s`` while the agent is there but busy
-        (its queue full); at once if there is no agent. Returns the samples still undelivered."""
-        deadline = time.monotonic() + timeout_s
+        (its queue full); at once if there never was an agent; up to ``return_s`` for the successor of
+        an agent this rank spoke to that is gone (it comes back within seconds). Returns the samples
+        still undelivered."""
+        start = found = time.monotonic()
         self.flush()
-        while self._unsent and self._sock is not None and time.monotonic() < deadline:
-            try:
-                os.stat(self.socket_path)
-            except OSError:
-                break  # no agent to wait for
-            time.sleep(0.01)
-            if not self.flush() and not self._agent_takes():
-                break  # the socket is there but nobody reads it (a dead agent's file)
+        while self._unsent and self._sock is not None:
+            now = time.monotonic()
+            if self._agent_takes():
+                if now - found >= timeout_s:
+                    break  # there, but it takes nothing
+                time.sleep(0.01)
+            elif self._agent_inode is not None and now - start < return_s:
+                time.sleep(0.1)  # the agent died: wait for the one started in its place
+                found = time.monotonic()
+            else:
+                break  # no agent ever, or none came back
+            self.flush()
         return sum(entry[1] for entry in list(self._backlog)[len(self._backlog) - self._unsent:])
 
     def _agent_takes(self) -> bool:

@@ -280,3 +280,41 @@ def test_pack_respects_limit_and_order() -> None:
     flat = [j for _, idx in datagrams for j in idx]
     assert flat == [j for j in range(301) if j != 7]
     assert [x["i"] for d, _ in datagrams for x in json.loads(d)] == list(range(300))
+
+
+def test_close_waits_for_a_dead_agents_successor_and_gives_it_everything(sock_dir: Path) -> None:
+    path = sock_dir / "agent.sock"
+    rx = _listener(path)
+    tx = RankTelemetry(path)
+    tx.send_step(_step(1))
+    assert _steps(_recv_all(rx)) == [1]
+    rx.close()  # kill -9 of the agent: its socket file stays, nobody reads it
+    for s in range(2, 5):
+        tx.send_step(_step(s))  # the rank trains on: kept in its backlog
+    got: list[int] = []
+
+    def successor() -> None:  # vigil up's keeper starts the agent again a moment later
+        time.sleep(0.8)
+        path.unlink()
+        again = _listener(path)
+        got.extend(_read_until(again, 4))
+        again.close()
+
+    t = threading.Thread(target=successor)
+    t.start()
+    tx.close()  # the rank ends before the agent is back: close waits for it
+    t.join(10)
+    assert got == [1, 2, 3, 4] and tx.dropped_total == 0  # step 1 again: the dead agent may have lost it
+
+
+def test_close_waits_a_bounded_time_for_an_agent_that_never_comes_back(sock_dir: Path) -> None:
+    path = sock_dir / "agent.sock"
+    rx = _listener(path)
+    tx = RankTelemetry(path)
+    tx.send_step(_step(1))
+    rx.close()
+    path.unlink()
+    tx.send_step(_step(2))
+    t0 = time.perf_counter()
+    assert tx.drain(return_s=0.5) == 1  # step 2 is still undelivered, after about return_s
+    assert 0.4 < time.perf_counter() - t0 < 10.0  # it waited, and gave up
