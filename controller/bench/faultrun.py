@@ -106,18 +106,19 @@ class FaultRun:
     def start_again(self, name: str, argv: Callable[[list[str]], list[str]] | None = None) -> Child:
         """Start the child ``name`` again as it was started (``argv`` may rewrite its command line), after
         it ended (its own end, or a kill); a child still running is killed first (its whole session)."""
-        old = self.child(name)
-        if old is None:
-            raise LookupError(name)
-        if old.proc.poll() is None:
-            self.cluster.procs.stop_child(old)
-        else:
-            try:
-                old.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            self.cluster.procs.children.remove(old)
-        return self.cluster.procs.start(name, argv(old.argv) if argv else old.argv, old.env, old.log_path.parent)
+        with self.cluster.procs.lock:  # not beside vigil up's agent keeper starting the same agent
+            old = self.child(name)
+            if old is None:
+                raise LookupError(name)
+            if old.proc.poll() is None:
+                self.cluster.procs.stop_child(old)
+            else:
+                try:
+                    old.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+                self.cluster.procs.children.remove(old)
+            return self.cluster.procs.start(name, argv(old.argv) if argv else old.argv, old.env, old.log_path.parent)
 
 
 def safely(fn: Callable[[], T], default: T) -> T:

@@ -232,7 +232,9 @@ def _lock_holders(url: str) -> list[int]:
     raw = url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(raw, autocommit=True) as conn:
         rows = conn.execute(
+            # This database's only: the key is the same in every test's database on the shared server.
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
             "AND classid = ((%s::bigint >> 32) & 4294967295)::oid AND objid = (%s::bigint & 4294967295)::oid",
             (LOCK_KEY, LOCK_KEY)).fetchall()
     return [r[0] for r in rows]
