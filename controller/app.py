@@ -61,7 +61,7 @@ def job_env(settings: Settings) -> dict[str, str]:
     # Never VIGIL_HOME (the admin token and the SQLite database are there) nor anything secret: the job's
     # own token is added by the supervisor (docs/SECURITY.md).
     return {ENV_RUN_DIR: str(settings.run_dir), ENV_CONTROLLER_URL: settings.controller_url,
-            ENV_STORAGE_PATH: str(settings.resolved_storage_path())}
+            ENV_STORAGE_PATH: str(settings.resolved_storage())}
 
 
 def create_app(
@@ -119,7 +119,7 @@ def create_app(
     app.state.engine = engine
     app.state.sessions = make_session_factory(engine)
     app.state.launcher = launcher
-    app.state.telemetry_guard = TelemetryGuard(str(settings.resolved_storage_path()), ray_placement(launcher, cluster))
+    app.state.telemetry_guard = TelemetryGuard(str(settings.resolved_storage()), ray_placement(launcher, cluster))
     app.state.supervisor = Supervisor(app.state.sessions, launcher, job_env(settings), settings.supervisor_interval_s,
                                       settings.launch_retry_s)
     app.state.monitor = Monitor(app.state.sessions, launcher, cluster, settings.monitor_interval_s,

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controller.checkpoint_layout import as_location, is_uri
 from controller.schemas import slugify
 
 
@@ -104,8 +105,9 @@ class Settings(BaseSettings):
         32, ge=1, le=4096, description="Ranks exported per job on /metrics: the slowest ones of the latest step."
     )
 
-    storage_path: Path | None = Field(
-        None, description="Checkpoint storage of the jobs this controller starts; default <home>/storage."
+    storage_path: Path | str | None = Field(
+        None, description="Checkpoint storage of the jobs this controller starts: a folder every node sees, or a "
+        "URI of an object store (s3://bucket/prefix, S3-compatible: docs/DEPLOY.md); default <home>/storage."
     )
     packages_dir: Path | None = Field(
         None, description="Where uploaded code packages are stored (content-addressed zips); default <home>/packages."
@@ -122,10 +124,28 @@ class Settings(BaseSettings):
         86_400.0, ge=0, description="A code package no unfinished job uses is removed once this long has passed "
         "since its upload and since the last job using it was created or ended.")
 
+    @field_validator("storage_path", mode="before")
+    @classmethod
+    def _storage_location(cls, value: object) -> object:
+        """A URI stays a (normalised) string, anything else is a folder (``Path`` would fold ``s3://``)."""
+        if isinstance(value, str):
+            return as_location(value) if value else None
+        return value
+
+    def resolved_storage(self) -> Path | str:
+        """Where the jobs this controller starts keep their checkpoints (handed to them as
+        ``VIGIL_STORAGE_PATH``): :attr:`storage_path` (a URI as it is, a folder resolved), else
+        ``<home>/storage``."""
+        if is_uri(self.storage_path):
+            return str(self.storage_path)
+        return self.resolved_storage_path()
+
     def resolved_storage_path(self) -> Path:
-        """Where the jobs this controller starts keep their checkpoints: :attr:`storage_path`, else
-        ``<home>/storage`` (handed to them as ``VIGIL_STORAGE_PATH``)."""
-        return (self.storage_path or self.home / "storage").resolve()
+        """The local folder of the jobs' checkpoints: :attr:`storage_path`, else ``<home>/storage``. A URI
+        storage has none: ``ValueError`` (:meth:`resolved_storage` names either)."""
+        if is_uri(self.storage_path):
+            raise ValueError(f"the checkpoint storage is {self.storage_path}, not a local folder")
+        return (Path(self.storage_path) if self.storage_path else self.home / "storage").resolve()
 
     def resolved_packages_dir(self) -> Path:
         """Where code packages live: :attr:`packages_dir`, else ``<home>/packages``."""
@@ -187,16 +207,27 @@ ENV_JOB_SPEC = "VIGIL_JOB_SPEC"
 ENV_CHECKPOINT_ROOT = "VIGIL_CHECKPOINT_ROOT"
 """A standalone rank's checkpoint root (outside a Vigil job)."""
 ENV_STORAGE_PATH = "VIGIL_STORAGE_PATH"
-"""Where checkpoints live (a folder every node sees): the controller sets it for the job's driver and
-ranks, and ``vigil up`` for the agents."""
+"""Where checkpoints live: a folder every node sees, or a URI of an object store (``s3://bucket/prefix``;
+the endpoint and credentials from the standard ``AWS_*`` variables). The controller sets it for the job's
+driver and ranks, and ``vigil up`` for the agents."""
 DEFAULT_STORAGE_PATH = "~/.vigil-storage"
 
 
 def storage_path_from_env(env: Mapping[str, str] | None = None) -> Path:
-    """The checkpoint storage of a process the controller did not configure in full (an agent, the
-    job's driver): ``$VIGIL_STORAGE_PATH``, else :data:`DEFAULT_STORAGE_PATH`."""
+    """The local checkpoint folder of a process the controller did not configure in full (an agent):
+    ``$VIGIL_STORAGE_PATH``, else :data:`DEFAULT_STORAGE_PATH`. Where the storage may be a URI (the job's
+    driver and ranks): :func:`storage_from_env`."""
     env = os.environ if env is None else env
     return Path(env.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH).expanduser()
+
+
+def storage_from_env(env: Mapping[str, str] | None = None) -> Path | str:
+    """The checkpoint storage of the job's driver and ranks: ``$VIGIL_STORAGE_PATH``, a URI of an object
+    store (``s3://bucket/prefix``, normalised: :func:`controller.checkpoint_layout.normalise_uri`) or a
+    folder (resolved), else :data:`DEFAULT_STORAGE_PATH`."""
+    env = os.environ if env is None else env
+    location = as_location(env.get(ENV_STORAGE_PATH) or DEFAULT_STORAGE_PATH)
+    return location if is_uri(location) else Path(location).expanduser().resolve()
 
 
 def default_run_dir() -> Path:

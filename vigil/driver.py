@@ -10,8 +10,9 @@ Ray 2.60, is picked up by ``ray.init`` itself). Inputs, in order of precedence:
 - env ``VIGIL_STORAGE_PATH``: where checkpoints live (default ``~/.vigil-storage``): Vigil's
   checkpoint root of the job, ``<storage>/<slug(job id)>/checkpoints`` (see
   :mod:`vigil.checkpointing`), and Ray Train's run folder ``<storage>/vigil-<slug(job id)>``, which
-  holds pointers to them. Multi-node runs need a path every node sees; on one machine any local
-  path is shared.
+  holds pointers to them. Multi-node runs need a path every node sees (on one machine any local
+  path is shared), or a URI of an object store, ``s3://bucket/prefix`` (endpoint and credentials
+  from the standard ``AWS_*`` variables; Ray Train reads the same URI through pyarrow).
 
 The Ray Train run is named ``vigil-<slug(job id)>``: a resubmitted job with the same id resumes
 from the newest valid checkpoint of its root (or the one Ray Train recorded, when newer).
@@ -45,8 +46,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from controller.checkpoint_layout import Location, as_location, join
 from controller.schemas import JobCreate, RecoveryPolicy, slugify
-from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC, ENV_RUN_DIR, storage_path_from_env
+from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC, ENV_RUN_DIR, storage_from_env
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class DriverConfig:
     spec: JobCreate
     run_dir: str | None
     storage_path: str
+    """A resolved local folder, or a URI (``s3://bucket/prefix``)."""
     report_interval: int | None = None
 
 
@@ -123,7 +126,10 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         raise UsageError(str(e)) from e
     if args.report_interval is not None and args.report_interval < 1:
         raise UsageError("--report-interval must be >= 1")
-    storage = str(storage_path_from_env(env).resolve())
+    try:
+        storage = str(storage_from_env(env))
+    except ValueError as e:  # a URI with '..' or an empty segment
+        raise UsageError(f"checkpoint storage: {e}") from e
     return DriverConfig(
         job_id=job_id, spec=spec, run_dir=env.get(ENV_RUN_DIR) or None, storage_path=storage,
         report_interval=args.report_interval,
@@ -205,7 +211,7 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
         return run_live(rank_config(cfg), replicas=sc.max_workers, min_replicas=sc.min_workers,
                         cpus_per_replica=sc.cpus_per_worker)
     root = job_root(cfg.storage_path, cfg.job_id)
-    run_folder = Path(cfg.storage_path) / run_name(cfg.job_id)
+    run_folder = join(as_location(cfg.storage_path), run_name(cfg.job_id))
     result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root, run_folder),
                                    cfg.job_id, again=cfg.spec.recovery.max_restarts > 0)
     metrics = dict(result.metrics or {})
@@ -221,13 +227,13 @@ def run_name(job_id: str) -> str:
     return f"vigil-{slugify(job_id)}"
 
 
-def newest_valid_step(root: Path, run_folder: Path | None = None) -> int:
+def newest_valid_step(root: Location, run_folder: Location | None = None) -> int:
     """The step of the newest valid checkpoint under ``root`` (-1: none), or of the code's own Ray Train
     checkpoints in ``run_folder`` (their manifests: :mod:`vigil.raytrain`) when newer."""
     from vigil.checkpointing import choose
     from vigil.raytrain import newest_step
 
-    manifest, _ = choose(root if root.exists() else None)
+    manifest, _ = choose(root)  # a root not made yet holds none
     own = newest_step(run_folder) if run_folder is not None else -1
     return max(manifest.step if manifest is not None else -1, own)
 

@@ -84,6 +84,7 @@ def context_from_env(ctx: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """``(RankContext, JobCreate, config)`` of a launched rank; makes the process group if needed."""
     import torch.distributed as dist
 
+    from controller.checkpoint_layout import as_location
     from controller.schemas import JobCreate
     from vigil.rank.context import RankContext
     from vigil.telemetry import RankTelemetry
@@ -94,7 +95,7 @@ def context_from_env(ctx: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     world = dist.get_world_size() if distributed else 1
     rc = RankContext(
         rank=rank, world_size=world, job_id=ctx["job_id"], node_id=ctx["node_id"],
-        telemetry=RankTelemetry(ctx["socket_path"]), checkpoint_root=Path(ctx["checkpoint_root"]),
+        telemetry=RankTelemetry(ctx["socket_path"]), checkpoint_root=as_location(ctx["checkpoint_root"]),
         restore_dir=Path(ctx["restore_dir"]) if ctx.get("restore_dir") else None,
         report_interval=int(ctx["report_interval"]),
         fault_file=Path(ctx["fault_file"]) if ctx.get("fault_file") else None,
@@ -199,10 +200,10 @@ def free_port(host: str) -> int:
 
 def run_script(script: str, script_args: Sequence[str], *, rank: int, world_size: int, local_rank: int,
                local_world_size: int, master_addr: str, master_port: int, context_file: Path,
-               job_dir: Path | None = None) -> dict[str, Any]:
+               job_dir: Path | str | None = None) -> dict[str, Any]:
     """Run the script as this rank's child process (module docstring); its summary. Raises when it fails.
     ``job_dir``: a folder of this job on storage every node sees, for the script's own files
-    (:data:`JOB_DIR_ENV`)."""
+    (:data:`JOB_DIR_ENV`); a URI (``s3://...``) when the job's storage is an object store."""
     env = {
         **os.environ,
         **({JOB_DIR_ENV: str(job_dir)} if job_dir is not None else {}),

@@ -183,7 +183,7 @@ class LiveReplica:
     """
 
     def __init__(self, *, rank: int, world_size: int, min_replicas: int, lighthouse: str, host: str,
-                 attempt: int = 1, checkpoint_root: Path | None = None, replica_id: str | None = None,
+                 attempt: int = 1, checkpoint_root: Path | str | None = None, replica_id: str | None = None,
                  replacement: bool = False, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         quiet_torchft_logs()
         from torch.distributed import TCPStore
@@ -294,9 +294,12 @@ class LiveReplica:
     def _claim(self, number: int) -> int:
         """Mark ``number`` claimed under the job's attempts folder (so a later driver claims past it)."""
         if self.checkpoint_root is not None:
-            from controller.checkpoint_layout import attempts_dir
+            from controller.checkpoint_layout import attempts_dir, join
+            from vigil.checkpointing import storage
 
-            (attempts_dir(self.checkpoint_root) / str(number)).mkdir(parents=True, exist_ok=True)
+            folder = attempts_dir(self.checkpoint_root)
+            storage.makedirs(folder)
+            storage.claim(join(folder, str(number)))  # False: claimed already (by a peer of this quorum)
         return number
 
     def start_step(self, number: int) -> None:

@@ -19,10 +19,10 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from controller.checkpoint_layout import as_location
 from controller.schemas import TRAINING_THREAD
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class ReplicaActor:
         host = ray.util.get_node_ip_address()
         live = LiveReplica(rank=self.rank, world_size=self.world_size, min_replicas=self.min_replicas,
                            lighthouse=self.lighthouse, host=host, attempt=int(self.config["attempt"]),
-                           checkpoint_root=Path(self.config["checkpoint_root"]),
+                           checkpoint_root=as_location(self.config["checkpoint_root"]),
                            replacement=ray.get_runtime_context().was_current_actor_reconstructed)
         try:
             summary = run_rank(self.config, self.rank, self.world_size, live=live)
@@ -106,7 +106,7 @@ def run_live(config: dict[str, Any], *, replicas: int, min_replicas: int, cpus_p
     from vigil.live import start_lighthouse
 
     # One run attempt for every replica (telemetry's exactly-once key): replacements run new steps only.
-    claimer = Checkpointer(Path(config["checkpoint_root"]), rank=0, world_size=1, job_id=config["job_id"],
+    claimer = Checkpointer(as_location(config["checkpoint_root"]), rank=0, world_size=1, job_id=config["job_id"],
                            async_save=False)
     config = {**config, "attempt": claimer.claim_attempt()}
     claimer.close()

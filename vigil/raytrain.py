@@ -275,15 +275,20 @@ def _is_local(checkpoint: Any) -> bool:
     return isinstance(getattr(checkpoint, "filesystem", None), pafs.LocalFileSystem) and Path(checkpoint.path).is_dir()
 
 
-def newest_step(run_folder: Path) -> int:
+def newest_step(run_folder: Path | str) -> int:
     """The newest step among the manifests of a Ray Train run folder's checkpoints (-1: none); a cheap look,
-    no checksum (the driver's "did the run make progress")."""
+    no checksum (the driver's "did the run make progress"). A folder or a URI (``s3://...``)."""
+    from vigil.checkpointing.storage import filesystem
+
     best = -1
-    if not run_folder.is_dir():
+    fs, path = filesystem(run_folder)
+    try:
+        found = fs.glob(f"{path.rstrip('/')}/*/{MANIFEST}")
+    except (FileNotFoundError, NotADirectoryError):
         return best
-    for p in run_folder.glob(f"*/{MANIFEST}"):
+    for p in found:
         try:
-            best = max(best, int(json.loads(p.read_text())["step"]))
+            best = max(best, int(json.loads(fs.cat_file(p))["step"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return best

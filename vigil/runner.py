@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.schemas import TRAINING_THREAD, Entrypoint, JobCreate, parse_entrypoint
-from controller.settings import fault_file_path, storage_path_from_env
+from controller.settings import fault_file_path, storage_from_env
 from vigil import checkpointing as checkpoint
 from vigil import sdk
 
@@ -131,6 +131,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                  restore_dir=Path(restore_dir) if restore_dir is not None else None)
 
 
+def job_files_dir(root: checkpoint.Location) -> checkpoint.Location:
+    """The job's folder for the code's own files (``VIGIL_JOB_DIR``), beside its checkpoint root:
+    ``<storage>/<slug>/files`` (a URI under a URI storage)."""
+    from controller.checkpoint_layout import join, parent_of
+
+    return join(parent_of(root), "files")
+
+
 def _open_session() -> Any:
     """The rank's open Vigil session, or None (before the code starts, after it ends)."""
     s = sdk._current
@@ -157,9 +165,7 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
         log.warning("rank %d: cannot read Ray's node names (%s); using the node id", rank, e)
         node = ray_node_id
     run_dir = Path(config.get("run_dir") or get_settings().run_dir)
-    root = config.get("checkpoint_root")
-    if root is None:
-        root = checkpoint.job_root(storage_path_from_env(), job_id)
+    root = checkpoint.as_location(config.get("checkpoint_root") or checkpoint.job_root(storage_from_env(), job_id))
     extra: dict[str, Any] = {}
     if report is not None:
         extra["report"] = report
@@ -167,9 +173,10 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
         extra["preemption_pending"] = preemption_pending
     from vigil.launch import JOB_DIR_ENV
 
-    os.environ[JOB_DIR_ENV] = str(Path(root).parent / "files")  # the code's own files, every rank, every start
+    # The code's own files, every rank, every start (a URI when the storage is one: docs/DEPLOY.md).
+    os.environ[JOB_DIR_ENV] = str(job_files_dir(root))
     if entry.is_script and live is None:
-        return run_script_rank(config, spec, entry, rank, world_size, node=node, run_dir=run_dir, root=Path(root),
+        return run_script_rank(config, spec, entry, rank, world_size, node=node, run_dir=run_dir, root=root,
                                restore_dir=restore_dir, report=report)
     with RankTelemetry(agent_socket_path(run_dir, node)) as telemetry:
         ctx = sdk.RankContext(
@@ -178,7 +185,7 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
             job_id=job_id,
             node_id=node,
             telemetry=telemetry,
-            checkpoint_root=Path(root),
+            checkpoint_root=root,
             restore_dir=restore_dir,
             report_interval=int(config.get("report_interval") or sdk.REPORT_INTERVAL_STEPS),
             fault_file=fault_file_path(run_dir, job_id, rank),
@@ -193,7 +200,7 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
 
 
 def run_script_rank(config: dict[str, Any], spec: JobCreate, entry: Entrypoint, rank: int, world_size: int, *,
-                    node: str, run_dir: Path, root: Path, restore_dir: Path | None,
+                    node: str, run_dir: Path, root: checkpoint.Location, restore_dir: Path | None,
                     report: sdk.ReportFn | None) -> sdk.TrainSummary:
     """A script entry point on this rank: a child process with torchrun's environment (:mod:`vigil.launch`).
     Rank 0 picks the children's rendezvous port on its node and tells the others through the process group
@@ -221,7 +228,7 @@ def run_script_rank(config: dict[str, Any], spec: JobCreate, entry: Entrypoint, 
     done = launch.run_script(entry.script, entry.args, rank=rank, world_size=world_size,
                              local_rank=tctx.get_local_rank(), local_world_size=tctx.get_local_world_size(),
                              master_addr=master, master_port=int(box[0]), context_file=context,
-                             job_dir=root.parent / "files")
+                             job_dir=job_files_dir(root))
     summary = sdk.TrainSummary(final_step=int(done.get("step") or 0), checkpoints=list(done.get("checkpoints") or []))
     if report is not None:  # every rank, once: Ray Train's result holds the script's last step
         report({"step": summary.final_step, "loss": done.get("loss"), "world_size": world_size}, None)

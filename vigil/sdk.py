@@ -57,13 +57,13 @@ import atexit
 import logging
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from controller.checkpoint_layout import as_location
 from controller.schemas import JobCreate
 from controller.settings import ENV_CHECKPOINT_ROOT, ENV_JOB_ID
 from vigil import launch
@@ -113,7 +113,7 @@ def init(ctx: RankContext | None = None, spec: JobCreate | None = None,
         ctx = RankContext(rank=dist.get_rank() if distributed else 0,
                           world_size=dist.get_world_size() if distributed else 1,
                           job_id=os.environ.get(ENV_JOB_ID) or "local",
-                          checkpoint_root=Path(root) if root else None)
+                          checkpoint_root=as_location(root) if root else None)
         _current = Session(ctx, spec, config)
         atexit.register(close)  # nobody else closes a session made here: wait for its last checkpoint
         return _current

@@ -4,7 +4,9 @@ The package, by concern:
 
 * :mod:`~controller.checkpoint_layout` (shared with the agent): the ``step-XXXXXXXX`` folder names and the manifest's file
   name (torch-free);
-* :mod:`~vigil.checkpointing.format`: the on-disk format (manifest, checksums, validity, pointers),
+* :mod:`~vigil.checkpointing.storage`: where checkpoints are stored, a local folder or a URI
+  (``s3://bucket/prefix``), through fsspec;
+* :mod:`~vigil.checkpointing.format`: the stored format (manifest, checksums, validity, pointers),
   where a job's checkpoints live, retention and the choice of the newest valid checkpoint;
 * :mod:`~vigil.checkpointing.state`: the named state of a rank (``state_of``, ``check_state``), its
   layout (replicated, local, sharded) and its flattening to DCP keys;
@@ -15,13 +17,14 @@ The package, by concern:
 This module re-exports what the rest of Vigil uses.
 """
 
-from controller.checkpoint_layout import MANIFEST_FILE, list_step_dirs, step_dir
+from controller.checkpoint_layout import MANIFEST_FILE, Location, as_location, step_dir
 from vigil.checkpointing.checkpointer import Checkpointer
 from vigil.checkpointing.format import (
     POINTER_FILE,
     InvalidCheckpoint,
     choose,
     job_root,
+    list_step_dirs,
     prune,
     resolve,
     verify,
@@ -35,6 +38,8 @@ __all__ = [
     "POINTER_FILE",
     "Checkpointer",
     "InvalidCheckpoint",
+    "Location",
+    "as_location",
     "choose",
     "job_root",
     "list_step_dirs",

@@ -34,13 +34,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 
-from controller.checkpoint_layout import attempts_dir, list_step_dirs, step_dir
+from controller.checkpoint_layout import attempts_dir, step_dir
 from controller.schemas import CheckpointSample
-from vigil.checkpointing.format import Manifest, choose, prune, remove_dir, write_manifest
+from vigil.checkpointing.format import Manifest, choose, list_step_dirs, prune, remove_dir, write_manifest
 from vigil.checkpointing.reshard import restore  # also silences DCP's single-process warning
 from vigil.checkpointing.state import Stateful, _save_state, check_state
+from vigil.checkpointing.storage import (
+    Location,
+    as_location,
+    claim,
+    dcp_writer,
+    exists,
+    join,
+    list_dir,
+    makedirs,
+    name_of,
+    same,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +65,7 @@ class CheckpointSink(Protocol):
 @dataclass
 class _Pending:
     step: int
-    directory: Path
+    directory: Location
     future: concurrent.futures.Future[Any]
     loss: float | None
 
@@ -63,11 +74,12 @@ class _Pending:
 class Checkpointer:
     """Checkpoints of one rank session (:mod:`vigil.sdk`): every method is called by every rank at the same step.
 
-    ``root`` None: a temporary root for this call (rank 0 makes it, every rank uses it, :meth:`close`
+    ``root``: a folder every rank sees, or a URI (``s3://bucket/prefix``: :mod:`vigil.checkpointing.storage`).
+    None: a temporary local root for this call (rank 0 makes it, every rank uses it, :meth:`close`
     deletes it), with synchronous saves, so a checkpoint is complete at the report of its step.
     """
 
-    root: Path | None
+    root: Location | None
     rank: int
     world_size: int
     job_id: str
@@ -99,9 +111,9 @@ class Checkpointer:
             self.async_save = False
             made = tempfile.mkdtemp(prefix="vigil-ckpt-") if self.rank == 0 else None
             self.root = Path(self._broadcast_object(made))
-        self.root = Path(self.root)
+        self.root = as_location(self.root)
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            makedirs(self.root)
             if self.async_save:
                 self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vigil-ckpt")
 
@@ -124,16 +136,13 @@ class Checkpointer:
         """
         number = 0
         if self.rank == 0:
+            assert self.root is not None
             folder = attempts_dir(self.root)
-            folder.mkdir(parents=True, exist_ok=True)
-            claimed = [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
+            makedirs(folder)
+            claimed = [int(e.name) for e in list_dir(folder) if e.name.isdigit()]
             number = max(claimed, default=0) + 1
-            while True:
-                try:
-                    (folder / str(number)).mkdir()
-                    break
-                except FileExistsError:  # another start claimed it in between: the next one
-                    number += 1
+            while not claim(join(folder, str(number))):
+                number += 1  # another start claimed it in between: the next one
         return int(self._broadcast_object(number))
 
     def group_names(self) -> set[str]:
@@ -164,7 +173,7 @@ class Checkpointer:
 
     # -- restore -----------------------------------------------------------------------------------
 
-    def restore(self, state: Mapping[str, Stateful], hint: Path | None = None) -> int:
+    def restore(self, state: Mapping[str, Stateful], hint: Location | None = None) -> int:
         """Restore the newest valid checkpoint (root and ``hint``) into the named ``state`` objects;
         the step restored, 0 when none."""
         state = check_state(state)
@@ -182,7 +191,7 @@ class Checkpointer:
             assert self.root is not None
             floor = manifest.step if manifest is not None else -1
             for s, d in list_step_dirs(self.root):
-                if s > floor and d.resolve() != (manifest.directory.resolve() if manifest else None):
+                if s > floor and same(d) != (same(manifest.directory) if manifest else None):
                     log.warning("removing invalid checkpoint %s (newer than the one restored)", d)
                     remove_dir(d)
             if manifest is None and skipped:
@@ -190,7 +199,7 @@ class Checkpointer:
         choice = self._broadcast_object(choice)
         if choice is None:
             return 0
-        return restore(Path(choice), rank=self.rank, world_size=self.world_size, state=state, verify_checksums=False)
+        return restore(as_location(choice), rank=self.rank, world_size=self.world_size, state=state, verify_checksums=False)
 
     # -- save --------------------------------------------------------------------------------------
 
@@ -204,7 +213,7 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         assert self.root is not None
         directory = step_dir(self.root, step)
-        if self.rank == 0 and directory.exists():
+        if self.rank == 0 and exists(directory):
             remove_dir(directory)  # a leftover of an earlier attempt; before the collective below
         finite, mean_loss = self._agree_finite(loss, state)  # also the barrier after that removal
         if not finite:
@@ -216,7 +225,7 @@ class Checkpointer:
         future: concurrent.futures.Future[Any] | None = None
         if self.async_save:
             try:
-                started = dcp.async_save(flat, storage_writer=FileSystemWriter(str(directory)),
+                started = dcp.async_save(flat, storage_writer=dcp_writer(directory),
                                          process_group=self._group)
                 future = started if isinstance(started, concurrent.futures.Future) else started.upload_completion
             except (AssertionError, RuntimeError, ValueError) as e:  # backend without async support
@@ -225,7 +234,7 @@ class Checkpointer:
         if future is None:
             future = concurrent.futures.Future()
             try:
-                dcp.save(flat, storage_writer=FileSystemWriter(str(directory)), process_group=self._group)
+                dcp.save(flat, storage_writer=dcp_writer(directory), process_group=self._group)
                 future.set_result(None)
             except Exception as e:  # noqa: BLE001 - handed to the future, reported when collected
                 future.set_exception(e)
@@ -245,14 +254,14 @@ class Checkpointer:
             self.wait()
         return True
 
-    def _complete(self, written: concurrent.futures.Future[Any], step: int, directory: Path,
+    def _complete(self, written: concurrent.futures.Future[Any], step: int, directory: Location,
                   loss: float | None) -> Manifest:
         written.result()  # re-raises a failed write
         manifest = write_manifest(directory, step=step, world_size=self.world_size, loss=loss, job_id=self.job_id)
         assert self.root is not None
         removed = prune(self.root, self.keep_last)
         if removed:
-            log.info("retention: removed %s", ", ".join(d.name for d in removed))
+            log.info("retention: removed %s", ", ".join(name_of(d) for d in removed))
         return manifest
 
     def poll(self) -> None:

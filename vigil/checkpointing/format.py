@@ -1,11 +1,13 @@
-"""The on-disk format of a checkpoint folder: manifest, checksums, validity, pointers, retention, choice.
+"""The stored format of a checkpoint folder: manifest, checksums, validity, pointers, retention, choice.
 
-On disk, one folder per checkpoint under a root (folder names: :mod:`controller.checkpoint_layout`)::
+One folder per checkpoint under a root (folder names: :mod:`controller.checkpoint_layout`), on a local
+or shared filesystem or an object store (``s3://bucket/prefix``: :mod:`vigil.checkpointing.storage`;
+the same files, rules and code for both)::
 
     <root>/step-00000120/
         __0_0.distcp, __1_0.distcp, ...   DCP's data files (one per rank)
         .metadata                          DCP's index (a pickle, DCP's own format)
-        manifest.json                      written LAST, by rank 0, atomically (temp file + rename)
+        manifest.json                      written LAST, by rank 0, atomically (temp file + rename; one PUT)
 
 The manifest lists every other file of the folder with its size and sha256, the step, the world
 size, the loss and the time. A checkpoint is **valid** only when its manifest exists and every file
@@ -29,8 +31,9 @@ so a later save of the same step never mixes with their files.
 
 **Retention**: after each new checkpoint, rank 0 keeps the newest ``keep_last`` *complete* ones
 (manifest present, file sizes right: a cheap check; checksums are verified at restore) and deletes
-older folders, complete or not. A folder is renamed away before it is deleted, so a half-deleted
-folder never looks like a checkpoint.
+older folders, complete or not. A folder is renamed away before it is deleted (on an object store,
+which cannot rename, its manifest is deleted first), so a half-deleted folder never looks like a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -39,14 +42,24 @@ import hashlib
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.checkpoint_layout import MANIFEST_FILE, job_checkpoint_root, list_step_dirs, step_of
+from controller.checkpoint_layout import MANIFEST_FILE, job_checkpoint_root, step_of
+from vigil.checkpointing.storage import (
+    Location,
+    as_location,
+    exists,
+    file_size,
+    join,
+    list_dir,
+    open_file,
+    read_bytes,
+    remove_tree,
+    same,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +82,8 @@ class InvalidCheckpoint(Exception):
 class Manifest:
     """A checkpoint's manifest, as written (and verified)."""
 
-    directory: Path
+    directory: Location
+    """The checkpoint folder: a ``Path``, or a URI (``str``) on an object store."""
     step: int
     world_size: int
     files: dict[str, tuple[int, str]]
@@ -84,40 +98,28 @@ class Manifest:
         return sum(size for size, _ in self.files.values())
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(location: Location) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_file(location) as f:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_manifest(
-    directory: Path, *, step: int, world_size: int, loss: float | None = None, job_id: str = ""
+    directory: Location, *, step: int, world_size: int, loss: float | None = None, job_id: str = ""
 ) -> Manifest:
-    """Checksum every file of ``directory`` and write its manifest, atomically (temp + rename, fsync'ed).
+    """Checksum every file of ``directory`` and write its manifest, atomically (temp + rename, fsync'ed;
+    one PUT on an object store).
 
     Call only once the data files are complete (after DCP's save returned on the coordinator).
     """
-    directory = Path(directory)
+    directory = as_location(directory)
     files: dict[str, tuple[int, str]] = {}
-    for p in sorted(directory.iterdir()):
-        if p.name == MANIFEST_FILE or p.name.startswith(MANIFEST_FILE + ".") or not p.is_file():
+    for e in sorted(list_dir(directory)):
+        if e.name == MANIFEST_FILE or e.name.startswith(MANIFEST_FILE + ".") or not e.is_file:
             continue
-        files[p.name] = (p.stat().st_size, _sha256_file(p))
+        files[e.name] = (e.size, _sha256_file(join(directory, e.name)))
     if ".metadata" not in files:
         raise InvalidCheckpoint(f"{directory}: DCP wrote no .metadata; refusing to mark it complete")
     created = time.time()
@@ -132,27 +134,16 @@ def write_manifest(
         "files": [{"path": name, "bytes": size, "sha256": digest} for name, (size, digest) in files.items()],
     }
     data = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=MANIFEST_FILE + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / MANIFEST_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
+    write_atomic(join(directory, MANIFEST_FILE), data, tmp_prefix=MANIFEST_FILE + ".")
     return Manifest(directory=directory, step=step, world_size=world_size, files=files,
                     sha256=hashlib.sha256(data).hexdigest(), loss=finite_loss, created=created)
 
 
-def read_manifest(directory: Path) -> Manifest:
+def read_manifest(directory: Location) -> Manifest:
     """The manifest of ``directory`` as written (nothing verified); :class:`InvalidCheckpoint` if absent or unreadable."""
-    directory = Path(directory)
-    path = directory / MANIFEST_FILE
+    directory = as_location(directory)
     try:
-        data = path.read_bytes()
+        data = read_bytes(join(directory, MANIFEST_FILE))
     except FileNotFoundError:
         raise InvalidCheckpoint(f"{directory}: partial checkpoint (no {MANIFEST_FILE})") from None
     except OSError as e:
@@ -169,20 +160,21 @@ def read_manifest(directory: Path) -> Manifest:
         raise InvalidCheckpoint(f"{directory}: unreadable {MANIFEST_FILE} ({type(e).__name__}: {e})") from None
 
 
-def verify(directory: Path, *, checksums: bool = True) -> Manifest:
+def verify(directory: Location, *, checksums: bool = True) -> Manifest:
     """The manifest of ``directory`` once every file it lists has its size (and sha256 when ``checksums``).
 
     Raises :class:`InvalidCheckpoint` naming the first problem.
     """
     manifest = read_manifest(directory)
+    directory = manifest.directory
     if ".metadata" not in manifest.files:
         raise InvalidCheckpoint(f"{directory}: manifest lists no .metadata")
     for name, (size, digest) in manifest.files.items():
         if "/" in name or name in ("", ".", ".."):
             raise InvalidCheckpoint(f"{directory}: manifest names an unsafe path {name!r}")
-        p = Path(directory) / name
+        p = join(directory, name)
         try:
-            actual = p.stat().st_size
+            actual = file_size(p)
         except OSError:
             raise InvalidCheckpoint(f"{directory}: {name} is missing") from None
         if actual != size:
@@ -192,31 +184,33 @@ def verify(directory: Path, *, checksums: bool = True) -> Manifest:
     return manifest
 
 
-def resolve(directory: Path) -> Path:
+def resolve(directory: Location) -> Location:
     """A checkpoint folder, or the folder a pointer folder (:data:`POINTER_FILE`) names."""
-    directory = Path(directory)
-    pointer = directory / POINTER_FILE
-    if not (directory / MANIFEST_FILE).exists() and pointer.exists():
+    directory = as_location(directory)
+    pointer = join(directory, POINTER_FILE)
+    if not exists(join(directory, MANIFEST_FILE)) and exists(pointer):
         try:
-            return Path(json.loads(pointer.read_text())["path"])
+            return as_location(json.loads(read_bytes(pointer))["path"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InvalidCheckpoint(f"{directory}: unreadable {POINTER_FILE} ({e})") from None
     return directory
 
 
-def write_pointer(directory: Path, checkpoint_dir: Path) -> Path:
-    """Write a pointer to the checkpoint folder ``checkpoint_dir`` into ``directory`` (what Ray Train copies)."""
+def write_pointer(directory: Path, checkpoint_dir: Location) -> Path:
+    """Write a pointer to the checkpoint folder ``checkpoint_dir`` (a folder or a URI) into the local
+    folder ``directory`` (what Ray Train copies)."""
     manifest = read_manifest(checkpoint_dir)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / POINTER_FILE
-    path.write_text(json.dumps({"path": str(Path(checkpoint_dir).resolve()), "step": manifest.step,
+    path.write_text(json.dumps({"path": str(same(manifest.directory)), "step": manifest.step,
                                 "manifest_sha256": manifest.sha256}))
     return path
 
 
-def job_root(storage_path: Path | str, job_id: str) -> Path:
-    """The checkpoint root of job ``job_id`` under the storage path: ``<storage>/<slug(job id)>/checkpoints``."""
+def job_root(storage_path: Location, job_id: str) -> Location:
+    """The checkpoint root of job ``job_id`` under the storage path (a folder, or a URI such as
+    ``s3://bucket/prefix``): ``<storage>/<slug(job id)>/checkpoints``."""
     return job_checkpoint_root(storage_path, job_id)
 
 
@@ -225,20 +219,20 @@ def job_root(storage_path: Path | str, job_id: str) -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
-def remove_dir(directory: Path) -> None:
-    """Delete a checkpoint folder: renamed away first, so a half-deleted folder never looks like one."""
-    directory = Path(directory)
-    trash = directory.with_name(f".deleting-{directory.name}-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        os.rename(directory, trash)
-    except FileNotFoundError:
-        return
-    except OSError:
-        trash = directory
-    shutil.rmtree(trash, ignore_errors=True)
+def list_step_dirs(root: Location) -> list[tuple[int, Location]]:
+    """``(step, folder)`` of every ``step-*`` folder under ``root`` (a folder or a URI), oldest first."""
+    root = as_location(root)
+    found = [(s, join(root, e.name)) for e in list_dir(root) if e.is_dir and (s := step_of(e.name)) is not None]
+    return sorted(found, key=lambda sd: (sd[0], str(sd[1])))
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
+def remove_dir(directory: Location) -> None:
+    """Delete a checkpoint folder so that a half-deleted folder never looks like one (renamed away first;
+    on an object store, its manifest first)."""
+    remove_tree(as_location(directory), first=MANIFEST_FILE)
+
+
+def prune(root: Location, keep_last: int) -> list[Location]:
     """Keep the newest ``keep_last`` complete checkpoints under ``root``; delete older folders. Returns the deleted."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -269,22 +263,22 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 class Skipped:
     """A candidate checkpoint that restore passed over."""
 
-    directory: Path
+    directory: Location
     step: int
     reason: str
     world_size: int = 1
 
 
-def choose(root: Path | None, hint: Path | None = None) -> tuple[Manifest | None, list[Skipped]]:
+def choose(root: Location | None, hint: Location | None = None) -> tuple[Manifest | None, list[Skipped]]:
     """The newest valid checkpoint among ``root``'s folders and ``hint`` (a folder or a pointer), with
     the newer candidates that failed verification."""
-    candidates: dict[Path, int] = {}
+    candidates: dict[Location, int] = {}
     if root is not None:
         for s, d in list_step_dirs(root):
-            candidates[d.resolve()] = s
+            candidates[same(d)] = s
     if hint is not None:
         try:
-            target = resolve(hint).resolve()
+            target = same(resolve(hint))
         except InvalidCheckpoint as e:
             log.warning("ignoring the checkpoint hint: %s", e)
         else:

@@ -17,13 +17,11 @@ import logging
 import random
 import warnings
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from vigil.checkpointing.format import (
@@ -50,6 +48,7 @@ from vigil.checkpointing.state import (
     check_state,
     state_of,
 )
+from vigil.checkpointing.storage import Location, as_location, dcp_reader, dcp_writer
 from vigil.optim.base import Shard, StatePath, Strategy
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ def _resized(t: torch.Tensor, length: int | None) -> torch.Tensor:
     return out
 
 
-def _read(directory: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Tensor]:
+def _read(directory: Location, metadata: Any, keys: list[str]) -> dict[str, torch.Tensor]:
     """Tensors ``keys`` of the checkpoint, read by this rank alone (no collective)."""
     targets: dict[str, torch.Tensor] = {}
     for k in sorted(set(keys)):
@@ -132,7 +131,7 @@ def _read(directory: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Te
             raise InvalidCheckpoint(f"{directory}: no tensor {k!r} in the checkpoint")
         targets[k] = torch.empty(md.size, dtype=md.properties.dtype)
     if targets:
-        dcp.load(targets, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+        dcp.load(targets, storage_reader=dcp_reader(directory), no_dist=True)
     return targets
 
 
@@ -142,27 +141,28 @@ def _read(directory: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Te
 
 
 def save(
-    directory: Path, *, step: int, rank: int, world_size: int, state: Mapping[str, Stateful] | None = None,
+    directory: Location, *, step: int, rank: int, world_size: int, state: Mapping[str, Stateful] | None = None,
     model: nn.Module | None = None, strategy: Strategy | None = None, data: Stateful | None = None,
     group: Any = None, loss: float | None = None, job_id: str = "",
 ) -> Manifest | None:
-    """Save every rank's state after ``step`` into ``directory``, synchronously; collective over ``group``.
+    """Save every rank's state after ``step`` into ``directory`` (a folder or a URI), synchronously;
+    collective over ``group``.
 
     ``state``: named objects with ``state_dict()`` (``model``, ``strategy``, ``data`` are shorthands
     for those names). Rank 0 then writes the manifest and returns it (other ranks return None). Does
     not check the loss (see :meth:`Checkpointer.save`).
     """
-    directory = Path(directory)
+    directory = as_location(directory)
     named = check_state({**state_of(model, strategy, data), **(state or {})})
     flat = _save_state(step, rank, world_size, named)
-    dcp.save(flat, storage_writer=FileSystemWriter(str(directory)), process_group=group)
+    dcp.save(flat, storage_writer=dcp_writer(directory), process_group=group)
     if rank == 0:
         return write_manifest(directory, step=step, world_size=world_size, loss=loss, job_id=job_id)
     return None
 
 
 def restore(
-    directory: Path, *, rank: int, world_size: int, state: Mapping[str, Stateful] | None = None,
+    directory: Location, *, rank: int, world_size: int, state: Mapping[str, Stateful] | None = None,
     model: nn.Module | None = None, strategy: Strategy | None = None, data: Stateful | None = None,
     verify_checksums: bool = True,
 ) -> int:
@@ -174,9 +174,9 @@ def restore(
     when the folder does not verify, ``ValueError`` when it lacks a name asked for.
     """
     named = check_state({**state_of(model, strategy, data), **(state or {})})
-    directory = resolve(Path(directory))
+    directory = resolve(directory)
     manifest = verify(directory, checksums=verify_checksums)
-    reader = FileSystemReader(str(directory))
+    reader = dcp_reader(directory)
     metadata = reader.read_metadata()
     old_world = sum(1 for k in metadata.state_dict_metadata if k.startswith(f"{_META}/rank"))
     if old_world != manifest.world_size:

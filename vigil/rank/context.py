@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from controller.checkpoint_layout import Location
 from vigil.telemetry import NullTelemetry, TelemetrySink, check_job_id
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ class RankContext:
     outlive retention or a temporary root)."""
     telemetry: TelemetrySink = field(default_factory=NullTelemetry)
     """Where step, collective and (rank 0) checkpoint samples go."""
-    checkpoint_root: Path | None = None
-    """This job's checkpoint root (``step-XXXXXXXX`` folders, see :mod:`vigil.checkpointing`); restore
-    takes the newest valid checkpoint there. None: a temporary root for this session (checkpoints do
+    checkpoint_root: Location | None = None
+    """This job's checkpoint root (``step-XXXXXXXX`` folders, see :mod:`vigil.checkpointing`), a folder or a
+    URI (``s3://bucket/prefix``); restore takes the newest valid checkpoint there. None: a temporary root for this session (checkpoints do
     not outlive it; saves are synchronous)."""
     restore_dir: Path | None = None
     """A checkpoint folder (or a pointer folder, as Ray Train hands back) to consider on restore next
