@@ -1,4 +1,5 @@
-"""Shared fixtures for the trainer tests: one CPU thread per process, one corpus cache per session."""
+"""Shared fixtures for the trainer tests: one CPU thread per process, one corpus cache per session, an
+S3-compatible server (``s3_server``, ``s3``: :mod:`tests.s3server`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.s3server import s3, s3_server  # noqa: F401 - fixtures of this folder
 
 
 @pytest.fixture(autouse=True, scope="session")
