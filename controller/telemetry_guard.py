@@ -7,7 +7,8 @@ record a "checkpoint" anywhere (a later restart would load it). So, at ingest (:
 - samples of job X are kept from node N only when Ray placed one of X's ranks (its Ray Train workers or live
   replicas) on N, now or earlier in the job's life (spooled samples arrive after the job ends); never the head
   for a job with no rank there (every job's driver lives on the head);
-- a checkpoint of job X is recorded only inside X's own folders of the checkpoint storage.
+- a checkpoint of job X is recorded only inside X's own folders of the checkpoint storage (a folder, or a URI
+  such as ``s3://bucket/prefix``: the same rule on the URI's string, no ``.``, ``..`` or empty segment).
 
 The rest is refused and counted (``vigil_telemetry_refused_samples_total{reason}``) with an event (at most one a
 minute per job, node and reason), never stored. Placement comes from Ray (:meth:`RayJobLauncher.placement`);
@@ -27,7 +28,7 @@ from prometheus_client import Counter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controller.checkpoint_layout import slugify
+from controller.checkpoint_layout import is_uri, normalise_uri, slugify
 from controller.jobs import record_event
 from controller.models import Job
 
@@ -61,11 +62,15 @@ def ray_placement(launcher: object, cluster: object) -> Placement | None:
     return where
 
 
-def _norm(path: str) -> str:
-    """``path`` with ``.``, ``..`` and doubled slashes resolved (a URI's after its ``scheme://``)."""
-    if "://" in path:
-        scheme, rest = path.split("://", 1)
-        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+def _norm(path: str) -> str | None:
+    """``path`` with ``.``, ``..`` and doubled slashes resolved; a URI normalised
+    (:func:`~controller.checkpoint_layout.normalise_uri`), or None when it holds a ``.``, ``..`` or empty
+    segment: an object store takes those literally, so no prefix comparison could place it."""
+    if is_uri(path):
+        try:
+            return normalise_uri(path)
+        except ValueError:
+            return None
     return posixpath.normpath(path)
 
 
@@ -74,7 +79,10 @@ class TelemetryGuard:
 
     def __init__(self, storage: str, placement: Placement | None, *, min_refresh_s: float = 0.5,
                  event_every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.storage = _norm(str(storage))
+        norm = _norm(str(storage))
+        if norm is None:
+            raise ValueError(f"checkpoint storage {storage!r}: not a usable folder or URI")
+        self.storage = norm
         self._placement = placement
         self._min_refresh_s = min_refresh_s
         self._event_every_s = event_every_s
@@ -109,8 +117,10 @@ class TelemetryGuard:
     # -- where a job's checkpoints may be ---------------------------------------------------------
     def checkpoint_allowed(self, job_id: str, path: str) -> bool:
         """Inside ``<storage>/<slug>/`` (Vigil's layout and the job's files) or ``<storage>/vigil-<slug>/`` (Ray
-        Train's run folder); ``..`` resolved first."""
+        Train's run folder): a folder's ``..`` resolved first; a URI with a ``.``, ``..`` or empty segment refused."""
         norm, slug = _norm(path), slugify(job_id)
+        if norm is None:
+            return False
         return any(norm.startswith(f"{self.storage.rstrip('/')}/{folder}/") for folder in (slug, f"vigil-{slug}"))
 
     # -- refusals ----------------------------------------------------------------------------------

@@ -132,3 +132,49 @@ def test_checkpoint_paths_rule(path: str, ok: bool) -> None:
     assert TelemetryGuard("/s", None).checkpoint_allowed("job-1", path) is ok
     if path.startswith("/s/"):
         assert TelemetryGuard("s3://b/p", None).checkpoint_allowed("job-1", "s3://b/p" + path[2:]) is ok
+
+
+@pytest.mark.parametrize(("path", "ok"), [
+    ("s3://b/p/job-1/checkpoints/step-3", True), ("S3://b/p/vigil-job-1/checkpoint_0001", True),
+    ("s3://b/p/job-1/files/x", True), ("s3://b/p/job-1/checkpoints/step-3/", True),
+    ("s3://b/p/job-2/checkpoints/step-3", False), ("s3://b/p/job-1", False), ("s3://b/p/job-1x/step-3", False),
+    # An object store takes '.', '..' and '//' literally: "job-2/../job-1/x" is a key under job-2/, never job-1's.
+    ("s3://b/p/job-2/../job-1/checkpoints/step-3", False), ("s3://b/p/job-1/../job-2/x", False),
+    ("s3://b/p/./job-1/checkpoints/step-3", False), ("s3://b/p//job-1/checkpoints/step-3", False),
+    ("s3://b/p/job-1/./x", False), ("s3://other/p/job-1/checkpoints/step-3", False),
+    ("s3://b/px/job-1/checkpoints/step-3", False), ("s3a://b/p/job-1/checkpoints/step-3", False),
+    ("gs://b/p/job-1/checkpoints/step-3", False), ("/b/p/job-1/checkpoints/step-3", False),
+    ("b/p/job-1/checkpoints/step-3", False), ("s3://", False),
+])
+def test_checkpoint_paths_rule_for_a_uri_storage(path: str, ok: bool) -> None:
+    """A storage root that is a URI: the same rule, on the normalised URI (scheme in lower case, no
+    trailing '/'), refusing any '.', '..' or empty segment instead of resolving it."""
+    assert TelemetryGuard("s3://b/p/", None).checkpoint_allowed("job-1", path) is ok
+    with pytest.raises(ValueError):
+        TelemetryGuard("s3://b/p/../q", None)
+
+
+def test_a_controller_with_s3_storage_hands_it_to_jobs_and_binds_their_checkpoints_to_it(
+    tmp_path: Path, ray: StandInRay
+) -> None:
+    """``VIGIL_STORAGE_PATH=s3://...`` (the controller's ``storage_path``): jobs get the URI as it is, and a
+    checkpoint is recorded only under the job's own prefix of it, over HTTP on a real controller."""
+    from controller.app import job_env
+    from controller.settings import ENV_STORAGE_PATH, Settings
+
+    assert job_env(Settings(storage_path="S3://ckpt/team/")).get(ENV_STORAGE_PATH) == "s3://ckpt/team"
+    c = LiveController(tmp_path / "controller", storage_path="s3://ckpt/team").start()
+    try:
+        assert c.app.state.telemetry_guard.storage == "s3://ckpt/team"
+        job, other = launched(c, "s3-ckpt"), launched(c, "s3-other")
+        mine = str(job_checkpoint_root("s3://ckpt/team", job)) + "/step-00000005"
+        outside = [str(job_checkpoint_root("s3://ckpt/team", other)) + "/step-00000005",
+                   f"s3://ckpt/team/{other}/../{job}/checkpoints/step-00000005", f"s3://ckpt/teamx/{job}/x",
+                   str(tmp_path / job / "checkpoints" / "step-00000005")]
+        before = refused("checkpoint_path")
+        c.post_batch("vigil-node-1", [CheckpointSample(job_id=job, step=5, ts=1.0, path=p) for p in [*outside, mine]])
+        with session_scope(c.app.state.sessions) as s:
+            assert s.scalars(select(Checkpoint.path).where(Checkpoint.job_id == job)).all() == [mine]
+        assert refused("checkpoint_path") - before == len(outside)
+    finally:
+        c.stop()
