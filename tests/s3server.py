@@ -55,7 +55,7 @@ class S3Server:
                             aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
                             region_name=self.env["AWS_DEFAULT_REGION"])
 
-    def keys(self, prefix: str = "") -> list[str]:
+    def objects(self, prefix: str = "") -> list[str]:
         """Every object key of the bucket under ``prefix``, sorted."""
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
@@ -84,9 +84,9 @@ class S3Prefix:
         assert uri.startswith(head), uri
         return uri[len(head):]
 
-    def keys(self) -> list[str]:
-        """Every object key under this prefix, relative to it, sorted."""
-        return [k[len(self.prefix) + 1:] for k in self.server.keys(self.prefix + "/")]
+    def objects(self) -> list[str]:
+        """The key of every object under this prefix, relative to it, sorted."""
+        return [k[len(self.prefix) + 1:] for k in self.server.objects(self.prefix + "/")]
 
     def client(self) -> Any:
         return self.server.client()

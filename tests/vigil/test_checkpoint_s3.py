@@ -23,7 +23,15 @@ import torch
 from tests.s3server import S3Prefix
 from tests.vigil.optim.harness import run_ranks
 from tests.vigil.test_checkpoint import Sink, _parts, _train_steps
-from tests.vigil.test_checkpoint_reshard import AFTER, CUT, Position, _check_restored, _make, _snapshot, _train
+from tests.vigil.test_checkpoint_reshard import (
+    AFTER,
+    CUT,
+    Position,
+    _check_restored,
+    _make,
+    _snapshot,
+    _train,
+)
 from vigil import checkpointing as checkpoint
 from vigil.checkpointing import Checkpointer, InvalidCheckpoint, state_of
 
@@ -58,14 +66,14 @@ def test_save_and_restore_round_trip_on_s3_with_the_same_files_as_a_folder(s3: S
     assert [(s.step, s.valid, s.path, s.files) for s in sink.samples] == [(3, True, done.directory, 2)]
     ckpt.close()
     # The objects are the files a local folder gets (DCP's temporary .metadata renamed; no manifest temp).
-    assert s3.keys() == ["job-s3/checkpoints/attempts/1", "job-s3/checkpoints/attempts/2",
+    assert s3.objects() == ["job-s3/checkpoints/attempts/1", "job-s3/checkpoints/attempts/2",
                          "job-s3/checkpoints/step-00000003/.metadata", "job-s3/checkpoints/step-00000003/__0_0.distcp",
                          "job-s3/checkpoints/step-00000003/manifest.json"]
     local = Checkpointer(tmp_path, rank=0, world_size=1, job_id="job-s3", async_save=False)
     local.save(3, _state(parts), loss)
     local.close()
     assert sorted(p.name for p in checkpoint.step_dir(tmp_path, 3).iterdir()) == [
-        k.rsplit("/", 1)[1] for k in s3.keys() if "/step-" in k]
+        k.rsplit("/", 1)[1] for k in s3.objects() if "/step-" in k]
     manifest = checkpoint.verify(done.directory)
     assert (manifest.step, manifest.world_size, manifest.loss) == (3, 1, pytest.approx(loss))
 
@@ -92,7 +100,7 @@ def test_retention_on_s3_keeps_the_last_k_complete_checkpoints(s3: S3Prefix) -> 
     ckpt.close()
     assert checkpoint.list_step_dirs(root) == [(6, f"{root}/step-00000006"), (8, f"{root}/step-00000008")]
     assert all(checkpoint.verify(d) for _, d in checkpoint.list_step_dirs(root))
-    assert {k.split("/")[1] for k in s3.keys()} == {"step-00000006", "step-00000008"}  # nothing else left behind
+    assert {k.split("/")[1] for k in s3.objects()} == {"step-00000006", "step-00000008"}  # nothing else left behind
     assert [(s.step, s.valid) for s in sink.samples] == [(2, True), (4, True), (6, True), (8, True)]
     assert checkpoint.prune(root, 1) == [f"{root}/step-00000006"]
     assert [s for s, _ in checkpoint.list_step_dirs(root)] == [8]
@@ -165,7 +173,7 @@ def _restore_phase(rank: int, world: int, uri: str, env: dict[str, str]) -> list
 @pytest.mark.timeout(4 * TIMEOUT)
 def test_a_checkpoint_on_s3_restores_on_another_world_size(s3: S3Prefix) -> None:
     saved = run_ranks(2, _save_phase, s3.uri, s3.env, timeout=TIMEOUT)
-    assert any(k.endswith("/__1_0.distcp") for k in s3.keys())  # both ranks wrote their shard to the server
+    assert any(k.endswith("/__1_0.distcp") for k in s3.objects())  # both ranks wrote their shard to the server
     restored = run_ranks(3, _restore_phase, s3.uri, s3.env, timeout=TIMEOUT)
     for i, (kind, _) in enumerate(RESHARD_KINDS):
         _check_restored([r[i] for r in saved], [r[i]["restored"] for r in restored], [r[i]["fresh"] for r in restored],
@@ -228,5 +236,46 @@ def test_a_shard_corrupted_on_s3_is_caught_by_its_checksum_and_the_previous_chec
     # Rank 0 said which checkpoint it passed over, and why; the corrupt one is gone from the server.
     ((step, valid, path, message),) = restored[0]["samples"]
     assert (step, valid, path) == (4, False, newest) and "checksum" in message
-    assert not any("/step-00000004/" in k for k in s3.keys())
+    assert not any("/step-00000004/" in k for k in s3.objects())
     assert [s for s, _ in checkpoint.list_step_dirs(root)] == [2]
+
+
+def test_the_driver_hands_an_s3_storage_to_ray_train_and_the_ranks_and_sees_progress_there(
+    s3: S3Prefix, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``VIGIL_STORAGE_PATH=s3://...`` reaches Ray Train's run config and every rank's checkpoint root as the
+    URI; the driver's "did the run progress" reads the checkpoints and Ray Train's manifests on the server."""
+    from controller.schemas import JobCreate
+    from vigil import raytrain
+    from vigil.driver import (
+        RAY_TRAIN_ENV_DEFAULTS,
+        UsageError,
+        build_trainer,
+        newest_valid_step,
+        parse_config,
+        rank_config,
+        run_name,
+    )
+    from vigil.runner import job_files_dir
+
+    for name in RAY_TRAIN_ENV_DEFAULTS:  # build_trainer sets them; restored after the test
+        monkeypatch.delenv(name, raising=False)
+    env = {"VIGIL_JOB_ID": "drv-s3", "VIGIL_JOB_SPEC": JobCreate(name="drv").model_dump_json(),
+           "VIGIL_STORAGE_PATH": s3.uri + "/"}
+    cfg = parse_config([], env)
+    root = f"{s3.uri}/drv-s3/checkpoints"
+    assert cfg.storage_path == s3.uri and rank_config(cfg)["checkpoint_root"] == root
+    assert build_trainer(cfg).run_config.storage_path == s3.uri
+    assert job_files_dir(root) == f"{s3.uri}/drv-s3/files"  # VIGIL_JOB_DIR of the ranks
+    with pytest.raises(UsageError, match="checkpoint storage"):
+        parse_config([], {**env, "VIGIL_STORAGE_PATH": f"{s3.uri}/../elsewhere"})
+
+    run_folder = f"{s3.uri}/{run_name('drv-s3')}"
+    assert newest_valid_step(root, run_folder) == -1
+    parts = _parts(0)
+    checkpoint.save(checkpoint.step_dir(root, 3), step=3, rank=0, world_size=1, state=_state(parts), loss=1.0)
+    assert newest_valid_step(root, run_folder) == 3
+    # A Ray Train checkpoint of the code's own, with the manifest Vigil writes into it, in Ray's run folder.
+    s3.client().put_object(Bucket=s3.server.bucket, Key=s3.key(f"{run_folder}/checkpoint_1/{raytrain.MANIFEST}"),
+                           Body=json.dumps({"step": 7}).encode())
+    assert raytrain.newest_step(run_folder) == 7 and newest_valid_step(root, run_folder) == 7
