@@ -1,10 +1,11 @@
 """Checkpoint storage over fsspec: a local folder or a URI (``s3://bucket/prefix``), one code path.
 
-Every read, listing and delete of :mod:`vigil.checkpointing` goes through fsspec
+Every read, listing and size of :mod:`vigil.checkpointing` goes through fsspec
 (``fsspec.core.url_to_fs``): its local filesystem for a plain path, ``s3fs`` for ``s3://`` (any
 S3-compatible store: the endpoint comes from ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``, the
 credentials from the standard AWS variables, as for any AWS SDK), any other fsspec protocol the same
-way. Only what an object store cannot do as a filesystem does differs, and only here:
+way. What an object store cannot do as a filesystem does (and a folder keeps doing as it did) differs,
+and only here:
 
 * **atomic writes** (the manifest): a local file is written to a temporary name, fsync'ed and renamed;
   on an object store a single PUT is atomic already (the object appears whole or not at all);
