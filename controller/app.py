@@ -22,6 +22,7 @@ from controller.api.deps import SessionDep
 from controller.auth import authorize, mint_internal_token
 from controller.background import BackgroundLoop
 from controller.db import WalCheckpointer, make_engine, make_session_factory
+from controller.fleet import agent_fleet
 from controller.launcher import ClusterControl, JobLauncher, RayClusterControl, RayJobLauncher
 from controller.leader import Leadership, default_controller_id, leader_lock, shared_database
 from controller.limits import BodySizeLimit, validation_error_handler
@@ -132,6 +133,9 @@ def create_app(
     )
     # Only the leader runs them (one monitor per database, or incidents are opened twice).
     loops: list[BackgroundLoop] = [app.state.supervisor, app.state.monitor, app.state.telemetry]
+    app.state.fleet = agent_fleet(settings, app.state.sessions)  # agents through Ray (VIGIL_DEPLOY_AGENTS)
+    if app.state.fleet is not None:
+        loops.append(app.state.fleet)
     if engine.dialect.name == "sqlite":  # its WAL, checkpointed here rather than in the ingest's commits
         loops.append(WalCheckpointer(app.state.sessions))
     app.state.leadership = Leadership(

@@ -40,6 +40,11 @@ class Settings(BaseSettings):
     ray_gcs_address: str | None = Field(
         None, description="Ray GCS address (host:port) for node draining (eviction); None: no eviction through Ray."
     )
+    deploy_agents: bool = Field(
+        False, description="Start one agent per alive Ray node through Ray itself (a detached actor pinned to each "
+        "node, controller/fleet.py), and on every node that joins later; needs ray_gcs_address.")
+    agent_controller_url: str | None = Field(
+        None, description="The controller URL(s) the Ray-deployed agents use (comma-separated; default controller_url).")
     launch_retry_s: float = Field(
         300.0, ge=0, description="How long a PENDING job keeps retrying a launch Ray refuses (its agent may be starting)."
     )
@@ -187,10 +192,11 @@ CHILD_ENV_NAMES = frozenset({
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
     "VIGIL_CACHE_DIR", "VIGIL_TELEMETRY",
 })
-CHILD_ENV_PREFIXES = ("LC_", "RAY_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "NVIDIA_", "HF_", "XDG_")
+CHILD_ENV_PREFIXES = ("LC_", "RAY_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "NVIDIA_", "HF_", "XDG_", "AWS_")
 """What a process that runs users' code (a raylet: its workers are the ranks) inherits of Vigil's environment:
 these names and prefixes only, never a copy (``VIGIL_HOME``, ``VIGIL_DATABASE_URL``, any token stay out).
-``RAY_*`` is Ray's own (a Ray token in it is Ray's worker credential: docs/SECURITY.md)."""
+``RAY_*`` is Ray's own (a Ray token in it is Ray's worker credential: docs/SECURITY.md); ``AWS_*`` is the
+object store's (the ranks write their checkpoints there: docs/SECURITY.md, docs/DEPLOY.md)."""
 
 
 def child_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:

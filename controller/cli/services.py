@@ -55,7 +55,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
         if not settings.auth_enabled:
             log.warning("VIGIL_AUTH_ENABLED=false on %s: ANYONE who reaches port %d can submit, cancel and read "
                         "everything", h, port)
-    settings = settings.model_copy(update={"host": host, "port": port, **remote_dashboard(host, settings)})
+    attach = {k: v for k, v in (("ray_address", args.ray_address), ("ray_gcs_address", args.ray_gcs_address),
+                                ("deploy_agents", args.deploy_agents or None)) if v is not None}
+    settings = settings.model_copy(update={"host": host, "port": port, **remote_dashboard(host, settings), **attach})
+    if settings.deploy_agents and not settings.ray_gcs_address:
+        print("vigil controller: --deploy-agents needs --ray-gcs-address (or VIGIL_RAY_GCS_ADDRESS): the Ray "
+              "cluster whose nodes get agents", file=sys.stderr)
+        return 2
     workers = getattr(args, "workers", 1) or 1
     if workers > 1:
         if len(hosts) > 1:
@@ -290,6 +296,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    help="Allow binding an address other hosts can reach (e.g. --host 0.0.0.0).")
     c.add_argument("--extra-host", action="append", metavar="HOST",
                    help="Also listen on HOST (repeatable; same port, same --allow-remote rule).")
+    c.add_argument("--ray-address", metavar="URL",
+                   help="An existing Ray cluster's dashboard (job submission), e.g. http://head:8265 (VIGIL_RAY_ADDRESS).")
+    c.add_argument("--ray-gcs-address", metavar="HOST:PORT",
+                   help="Its GCS, e.g. head:6379: node list, draining, agents (VIGIL_RAY_GCS_ADDRESS).")
+    c.add_argument("--deploy-agents", action="store_true",
+                   help="Start an agent on every node of that cluster through Ray, and on every node that joins "
+                        "(VIGIL_DEPLOY_AGENTS; docs/DEPLOY.md).")
     c.add_argument("--workers", type=int, default=1, metavar="N",
                    help="Worker processes serving the API (default 1): telemetry ingest on N cores; one of them "
                         "(the leader) runs the supervisor, monitor and aggregation.")
