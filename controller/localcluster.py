@@ -29,6 +29,7 @@ from typing import Self
 import httpx
 
 from controller.agentkeeper import AgentKeeper
+from controller.checkpoint_layout import is_uri
 from controller.netns import LinkSpec, NetnsCluster
 from controller.netns import cleanup_stale as cleanup_stale_netns
 from controller.probe import free_port, wait_for
@@ -84,8 +85,8 @@ class LocalCluster:
     """The agents' tokens (one per node), revoked when the cluster stops."""
     netns: NetnsCluster | None = None
     """The namespaces of ``vigil up --netns`` (None: every node on the host's own network)."""
-    storage: Path | None = None
-    """The jobs' checkpoint storage (``VIGIL_STORAGE_PATH`` of every process)."""
+    storage: Path | str | None = None
+    """The jobs' checkpoint storage (``VIGIL_STORAGE_PATH`` of every process): a folder or a URI."""
     rank_user: str | None = None
     """The user the ranks run as (controller/rankuser.py); None: this process's own."""
     keeper: AgentKeeper | None = None
@@ -96,7 +97,7 @@ class LocalCluster:
         if self.keeper is not None:
             self.keeper.stop()
         self.procs.stop_all()
-        if discard_storage and self.storage is not None:
+        if discard_storage and self.storage is not None and not is_uri(self.storage):
             shutil.rmtree(self.storage, ignore_errors=True)
         if self.netns is not None:
             self.netns.destroy()  # namespaces, veths, bridge, qdiscs, and any process left inside
@@ -178,9 +179,11 @@ def _start_node_with_retries(
     raise TimeoutError(f"{name} did not join the Ray cluster after {attempts} attempts; see {log_dir}")
 
 
-def agent_extra_args(node_id: str, join_cmds: dict[str, list[str]], storage: Path, procs: ProcessGroup) -> list[str]:
-    """Flags for the agent's recovery commands: where checkpoints live, its raylet, how it rejoins."""
-    extra = ["--storage-root", str(storage)]
+def agent_extra_args(node_id: str, join_cmds: dict[str, list[str]], storage: Path | str,
+                     procs: ProcessGroup) -> list[str]:
+    """Flags for the agent's recovery commands: where checkpoints live (a local folder: on object storage
+    the agent touches no checkpoint), its raylet, how it rejoins."""
+    extra = [] if is_uri(storage) else ["--storage-root", str(storage)]
     if node_id in join_cmds:
         extra += ["--ray-join-cmd", json.dumps(join_cmds[node_id])]
     ray_start = next((c for c in procs.children if c.name == f"ray-node-{node_id.rsplit('-', 1)[1]}"), None)
@@ -234,7 +237,8 @@ def start_local_cluster(
     # home, 0700, keeps the admin token and the database from it (controller/rankuser.py).
     settings = Settings(home=home)
     try:
-        iso = isolate(home, ray_temp, settings.storage_path, settings.resolved_storage_path())
+        uri = settings.resolved_storage() if is_uri(settings.storage_path) else None
+        iso = isolate(home, ray_temp, uri or settings.storage_path, home / "storage" if uri else settings.resolved_storage_path())
     except BaseException:
         shutil.rmtree(ray_temp, ignore_errors=True)
         raise

@@ -144,12 +144,13 @@ class Isolation:
     user: RankUser | None
     drop: list[str]
     """Prefix of every raylet's command line (and of the join command an agent runs again)."""
-    storage: Path
+    storage: Path | str
+    """A local folder, or a URI (``s3://...``: nothing to give the rank user)."""
     env: dict[str, str]
     """Added to every child's environment (where Ray's token is for the rank user's raylets)."""
 
 
-def isolate(home: Path, ray_temp: Path, storage: Path | None, default_storage: Path) -> Isolation:
+def isolate(home: Path, ray_temp: Path, storage: Path | str | None, default_storage: Path) -> Isolation:
     """Set up the rank user for a ``vigil up`` whose home is ``home``: the home made private, Ray's temp
     folder, Ray's token and the checkpoint storage given to the rank user. ``storage``: the operator's
     (``VIGIL_STORAGE_PATH``), else the private default."""
