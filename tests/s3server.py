@@ -92,11 +92,12 @@ class S3Prefix:
         return self.server.client()
 
 
-def start_s3_server(bucket: str = BUCKET) -> S3Server:
-    """Start moto's server on a free port of 127.0.0.1 and create ``bucket`` (stop it with :func:`stop_s3_server`)."""
+def start_s3_server(bucket: str = BUCKET, address: str = "127.0.0.1") -> S3Server:
+    """Start moto's server on a free port of ``address`` (default loopback; a bridge's address serves network
+    namespaces) and create ``bucket`` (stop it with :func:`stop_s3_server`)."""
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address=address, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
