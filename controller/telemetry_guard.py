@@ -57,7 +57,8 @@ def ray_placement(launcher: object, cluster: object) -> Placement | None:
         except Exception as exc:  # noqa: BLE001 - Ray's API busy or down: skip the check, keep the telemetry
             log.warning("cannot tell where %s runs (%s): its samples are not checked against their node", launch_id, exc)
             return None
-        return {names[i] for i in ids if i in names}, set(names.values())
+        # A node is known by its Ray name (vigil up, ray start) or, where it has none, by its Ray node id.
+        return {names[i] for i in ids if i in names} | set(ids), set(names.values()) | set(names)
 
     return where
 

@@ -178,3 +178,27 @@ def test_a_controller_with_s3_storage_hands_it_to_jobs_and_binds_their_checkpoin
         assert refused("checkpoint_path") - before == len(outside)
     finally:
         c.stop()
+
+
+def test_placement_names_nodes_by_ray_name_or_by_ray_id() -> None:
+    """Nodes `ray start` named (vigil up, an attached cluster) are known by name; one without a name by its id."""
+    from controller.launcher import LaunchError, RayNode
+    from controller.telemetry_guard import ray_placement
+
+    class Launcher:
+        def placement(self, launch_id: str) -> set[str]:
+            if launch_id == "down":
+                raise LaunchError("state API down")
+            return {"aa11", "bb22"}
+
+    class Cluster:
+        def nodes(self) -> list[RayNode]:
+            return [RayNode("aa11", "w1", "ALIVE"), RayNode("bb22", "w2", "ALIVE"), RayNode("cc33", "w3", "ALIVE")]
+
+    where = ray_placement(Launcher(), Cluster())
+    assert where is not None
+    placed, known = where("vigil-job")
+    assert {"w1", "w2", "aa11", "bb22"} <= placed and not placed & {"w3", "cc33"}
+    assert {"w1", "w2", "w3", "cc33"} <= known
+    assert where("down") is None  # Ray's API down: the check is skipped, telemetry kept
+    assert ray_placement(object(), Cluster()) is None
