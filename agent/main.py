@@ -317,6 +317,11 @@ def run_agent(
         agent.stop()
         for num, handler in previous.items():
             signal.signal(num, handler)
+        if agent.node_lost.is_set() and agent.commands is not None:
+            # A Ray-deployed agent lives under the raylet it killed: its own ancestors go last, now.
+            kill = getattr(agent.commands.executor, "kill_own_ancestors", None)
+            if kill is not None:
+                kill()
     return agent.node_lost.is_set()
 
 

@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     from agent.commands.executor import ExecutorConfig
 
 
+def _parents(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.parents()
+    except psutil.Error:
+        return []
+
+
 class NodeKinds:
     """``kill_node``, ``stop_raylet``, ``start_raylet`` and ``shape_nic``.
 
@@ -34,6 +41,7 @@ class NodeKinds:
     config: ExecutorConfig
     locator: RayletLocator
     _join: subprocess.Popen[bytes] | None
+    _last_words: list[psutil.Process] = []  # noqa: RUF012 - replaced per instance by _node_processes
 
     # -- kinds: the node --------------------------------------------------------------------------
     def _join_process(self) -> psutil.Process | None:
@@ -68,6 +76,10 @@ class NodeKinds:
                 if sid == start.pid and sid != my_sid:
                     session = sid
                     procs.update((p.pid, p) for p in _session_members(sid))
+        # An agent Ray itself runs (a fleet actor, controller/agent_host.py) lives under its raylet: those of its
+        # ancestors that are the node's die last, after the answer went out (:meth:`kill_own_ancestors`).
+        mine = [p for pid, p in procs.items() if pid in protected and pid not in (0, 1, os.getpid())]
+        self._last_words = sorted(mine, key=lambda p: len(_parents(p)))  # outermost first
         return raylet, start, [p for pid, p in procs.items() if pid not in protected], session
 
     def _take_down(self, graceful: bool) -> dict[str, Any]:
@@ -110,6 +122,7 @@ class NodeKinds:
         out = self._take_down(graceful=False)
         if not out:
             raise CommandError(f"no raylet (or ray start) found for node {self.config.node_id}")
+        out["after_answer"] = sorted(p.pid for p in self._last_words)
         if out["left"]:
             return CommandResult(ok=False, message=f"processes survived SIGKILL: {out['left']}", output=out)
         return CommandResult(
@@ -117,6 +130,16 @@ class NodeKinds:
             message=f"killed node {self.config.node_id}: {len(out['signalled'])} process(es)",
             output=out,
         )
+
+    def kill_own_ancestors(self) -> list[int]:
+        """After ``kill_node`` was answered: SIGKILL the node's processes above this agent (its raylet, ``ray
+        start``, the Ray worker hosting it), outermost first; this agent goes with them. Returns their pids."""
+        pids = [p.pid for p in self._last_words]
+        for p in self._last_words:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        self._last_words = []
+        return pids
 
     def stop_raylet(self, args: Mapping[str, Any]) -> CommandResult:
         out = self._take_down(graceful=True)

@@ -323,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--policy live, ETTR run: a kill_rank every this many seconds of training (default 60).")
     p.add_argument("--ettr-minutes", type=float, default=5.0,
                    help="--policy live: length of each ETTR run in minutes (default 5; 0: none).")
+    p.add_argument("--attached", action="store_true",
+                   help="On a Ray cluster built with `ray start` (no vigil up), Vigil attached with --deploy-agents, "
+                        "checkpoints on a local S3-compatible server (moto): controller/bench/attached.py.")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.policy == "live":
@@ -331,7 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     clean_steps = args.clean_steps if args.clean_steps is not None else (200 if args.quick else 1000)
     home = Path(tempfile.mkdtemp(prefix="vigil-bench-recovery-"))
     t0 = time.time()
-    cluster = start_local_cluster(home, nodes=3, cpus_per_node=1, port=free_port())
+    s3 = None
+    if args.attached:
+        from controller.bench.attached import start_attached_cluster, start_s3
+
+        s3 = start_s3()
+        cluster: Any = start_attached_cluster(home, nodes=3, storage=f"s3://{s3.bucket}/bench", extra_env=s3.env)
+    else:
+        cluster = start_local_cluster(home, nodes=3, cpus_per_node=1, port=free_port())
     try:
         r = Runner(cluster, slow_factor=args.slow_factor, slow_mode=args.slow_mode)
         results = [r.run_fault(k.strip(), steps, at) for k in args.kinds.split(",") if k.strip()]
@@ -339,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         ettr = r.ettr(3 * args.fault_every + 20, args.fault_every) if not args.quick else None
     finally:
         cluster.stop(discard_storage=True)
+        if s3 is not None:
+            s3.stop()
     out = {
+        "cluster": "attached (ray start, --deploy-agents, s3 storage)" if args.attached else "vigil up",
         "faults": results,
         "false_positives_clean_run": clean["incidents"] if clean else None,
         "clean_run": clean,
