@@ -14,6 +14,7 @@ import pytest
 
 from agent.commands.raylet import discover_node_id
 from agent.main import build_parser, config_from_args
+from controller.probe import wait_for
 
 STANDIN = "#!{python}\nimport time; time.sleep(600)\n"
 
@@ -29,7 +30,9 @@ def raylets(tmp_path: Path):
         p = subprocess.Popen([str(exe), "--raylet_socket_name=/tmp/x", *flags])
         started.append(p)
         proc = psutil.Process(p.pid)
-        assert proc.name() == "raylet"
+        # Started: the exec done (its name) and its command line readable (a busy machine takes a while).
+        wait_for(lambda: proc.name() == "raylet" and flags[-1] in proc.cmdline(), 30, "the stand-in raylet",
+                 0.05, (psutil.Error,))
         return proc
 
     yield start
