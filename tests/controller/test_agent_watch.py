@@ -10,22 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select
-from sqlalchemy.orm import sessionmaker
 
-from controller import migrate
-from controller.db import make_engine, session_scope
+from controller.db import session_scope
 from controller.launcher import LaunchError, RayNode
 from controller.models import Event
 from controller.recovery.agents import AgentWatch
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'vigil.db'}"
-    migrate.upgrade(url)
-    engine = make_engine(url)
-    yield sessionmaker(engine)
-    engine.dispose()
 
 
 class Nodes:

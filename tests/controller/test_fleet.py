@@ -11,26 +11,15 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select
-from sqlalchemy.orm import sessionmaker
 
 from agent.main import EXIT_NODE_KILLED as AGENT_EXIT_NODE_KILLED
-from controller import migrate
 from controller.agent_host import EXIT_NODE_KILLED, AgentHost
-from controller.db import make_engine, session_scope
+from controller.db import session_scope
 from controller.fleet import AgentFleet, agent_fleet
 from controller.models import ApiToken, Event
 from controller.probe import wait_for
 from controller.settings import Settings
 from controller.tokens import authenticate
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'vigil.db'}"
-    migrate.upgrade(url)
-    engine = make_engine(url)
-    yield sessionmaker(engine)
-    engine.dispose()
 
 
 class FakeDriver:
