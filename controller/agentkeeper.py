@@ -60,6 +60,7 @@ class AgentKeeper(BackgroundLoop):
         self.restarts: dict[str, int] = {}
         """Restarts so far, per child name."""
         self._last: dict[str, float] = {}
+        self._killed_nodes: set[int] = set()
         super().__init__()
 
     def tick(self) -> None:
@@ -71,8 +72,9 @@ class AgentKeeper(BackgroundLoop):
                 dead = mine[-1]
                 rc = dead.proc.returncode
                 if rc == EXIT_NODE_KILLED:
-                    log.info("agent %s killed its node on command: not started again", name)
-                    del self.agents[name]
+                    if dead.proc.pid not in self._killed_nodes:
+                        log.info("agent %s killed its node on command: not started again", name)
+                        self._killed_nodes.add(dead.proc.pid)  # one started by hand later is kept again
                     continue
                 if time.monotonic() - self._last.get(name, float("-inf")) < self.backoff_s:
                     continue

@@ -62,7 +62,13 @@ def test_not_after_it_killed_its_node_nor_while_the_raylet_is_gone(group, tmp_pa
         c.proc.wait(10)
     for _ in range(5):
         keeper.tick()
-    assert keeper.restarts == {} and "agent-2" not in keeper.agents  # killed its node: forgotten
+    assert keeper.restarts == {}  # killed its node: not started again
     raylet["vigil-node-1"] = True  # a raylet came back (started by hand): its agent follows
     keeper.tick()
     assert keeper.restarts == {"agent-1": 1}
+    # The node killed on command is started again by hand (a bench, an operator): that agent is kept.
+    group.children = [c for c in group.children if c.name != "agent-2"]
+    again = group.start("agent-2", [*SLEEPER, "0", "1"], dict(os.environ), tmp_path / "logs")
+    again.proc.wait(10)
+    keeper.tick()
+    assert keeper.restarts["agent-2"] == 1
