@@ -274,7 +274,9 @@ def start_local_cluster(
                                  "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
                                  f"--dashboard-port={dash_port}", "--resources", json.dumps({"vigil_node_0": 1}),
                                  f"--node-name={node_name(0)}", f"--num-cpus={head_cpus}",
-                                 f"--node-ip-address={head_ip}", *common, *_agent_port()], env, log_dir)
+                                 f"--node-ip-address={head_ip}", *common, *_agent_port(),
+                                 # Not Ray's fixed 10001: another head on the host, run by another user, holds it.
+                                 f"--ray-client-server-port={free_port()}"], env, log_dir)
         wait_for(lambda: _ray_nodes(dashboard_url).get(node_name(0)), timeout, "the Ray head", 0.5, (Exception,))
         # One node at a time: Ray gives a raylet 30 s to register with the GCS, which an overloaded
         # machine can miss; a node whose `ray start` gave up is started again.

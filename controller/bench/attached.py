@@ -110,7 +110,8 @@ def start_attached_cluster(root: Path, nodes: int = 3, cpus_per_node: int = 1, s
         procs.start("ray-head", [RAY, "start", "--head", f"--port={gcs_port}", f"--temp-dir={root / 'ray'}",
                                  "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                                  f"--dashboard-port={dash_port}", "--num-cpus=0", f"--node-name={node_name(0)}",
-                                 "--node-ip-address=127.0.0.1", *_common()], env, logs)
+                                 "--node-ip-address=127.0.0.1", f"--ray-client-server-port={free_port()}",
+                                 *_common()], env, logs)
         wait_for(lambda: node_name(0) in cluster.ray_alive(), timeout, "the Ray head", 0.5, (Exception,))
         for i in range(1, nodes + 1):
             cluster.add_node(i, cpus_per_node)

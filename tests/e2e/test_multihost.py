@@ -69,7 +69,8 @@ class Machines:
                   "--disable-usage-stats", f"--object-store-memory={150 << 20}",
                   f"--dashboard-agent-listen-port={free_port()}"]
         argv = ([RAY, "start", "--head", f"--port={self.gcs.split(':')[1]}", "--num-cpus=0", "--include-dashboard=true",
-                 f"--dashboard-host={n.address}", "--dashboard-port=8265", *common] if head
+                 f"--dashboard-host={n.address}", "--dashboard-port=8265", f"--ray-client-server-port={free_port()}",
+                 *common] if head
                 else [RAY, "start", f"--address={self.gcs}", "--num-cpus=1", *common])
         self.procs.start(f"node-{i}", n.exec_argv(private(argv)), dict(self.env, GLOO_SOCKET_IFNAME=n.iface), self.logs)
 
