@@ -4,9 +4,9 @@
 ``ray start`` (Ray's token authentication on), writes the admin token with ``vigil db create-admin-token``,
 and runs ``vigil controller --ray-address ... --ray-gcs-address ... --deploy-agents``: the agents come
 through Ray (controller/fleet.py), nothing else is started for Vigil. Checkpoints go to ``storage`` (a URI:
-the S3-compatible server of :func:`start_s3`). Node and process names follow ``vigil up``'s
-(``vigil-node-<i>``, ``ray-node-<i>``), so the fault benches run on it unchanged. Used by ``vigil bench
-recovery --attached`` and tests/e2e/test_attach.py.
+the S3-compatible server of :func:`start_s3`). Nodes are ``attached-node-<i>`` (not ``vigil up``'s names:
+its raylets may run beside), their processes ``ray-node-<i>`` as ``vigil up``'s, so the fault benches run on
+it unchanged. Used by ``vigil bench recovery --attached`` and tests/e2e/test_attach.py.
 """
 
 from __future__ import annotations
@@ -19,12 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.localcluster import ensure_ray_token, node_name
+from controller.localcluster import ensure_ray_token
 from controller.probe import free_port, wait_for
 from controller.processes import ProcessGroup
 from controller.settings import child_env
 
 RAY = str(Path(sys.executable).parent / "ray")
+PREFIX = "attached-node"
+"""Its nodes' names, ``attached-node-<i>`` (0: the head): not ``vigil up``'s, whose raylets may run beside."""
+
+
+def _name(i: int) -> str:
+    return f"{PREFIX}-{i}"
 
 
 @dataclass
@@ -72,11 +78,11 @@ class AttachedCluster:
     storage: str | None = None
 
     def add_node(self, i: int, cpus: int = 1) -> None:
-        """``ray start --address`` of one more worker, ``vigil-node-<i>`` (the fleet gives it an agent)."""
-        self.procs.start(f"ray-node-{i}", [RAY, "start", f"--address={self.gcs}", f"--node-name={node_name(i)}",
+        """``ray start --address`` of one more worker, ``attached-node-<i>`` (the fleet gives it an agent)."""
+        self.procs.start(f"ray-node-{i}", [RAY, "start", f"--address={self.gcs}", f"--node-name={_name(i)}",
                                            f"--num-cpus={cpus}", "--node-ip-address=127.0.0.1", *_common()],
                          self.env, self.log_dir)
-        self.node_ids.append(node_name(i))
+        self.node_ids.append(_name(i))
 
     def ray_alive(self) -> set[str]:
         from ray.util.state import list_nodes
@@ -105,17 +111,17 @@ def start_attached_cluster(root: Path, nodes: int = 3, cpus_per_node: int = 1, s
     env = child_env(dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", **(extra_env or {})))
     dashboard = f"http://127.0.0.1:{dash_port}"
     cluster = AttachedCluster(home, procs, f"http://127.0.0.1:{port}", "", dashboard, f"127.0.0.1:{gcs_port}", env,
-                              logs, [node_name(0)], storage)
+                              logs, [_name(0)], storage)
     try:
         procs.start("ray-head", [RAY, "start", "--head", f"--port={gcs_port}", f"--temp-dir={root / 'ray'}",
                                  "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                                 f"--dashboard-port={dash_port}", "--num-cpus=0", f"--node-name={node_name(0)}",
+                                 f"--dashboard-port={dash_port}", "--num-cpus=0", f"--node-name={_name(0)}",
                                  "--node-ip-address=127.0.0.1", f"--ray-client-server-port={free_port()}",
                                  *_common()], env, logs)
-        wait_for(lambda: node_name(0) in cluster.ray_alive(), timeout, "the Ray head", 0.5, (Exception,))
+        wait_for(lambda: _name(0) in cluster.ray_alive(), timeout, "the Ray head", 0.5, (Exception,))
         for i in range(1, nodes + 1):
             cluster.add_node(i, cpus_per_node)
-            wait_for(lambda i=i: node_name(i) in cluster.ray_alive(), timeout, f"{node_name(i)} in Ray", 0.5,
+            wait_for(lambda i=i: _name(i) in cluster.ray_alive(), timeout, f"{_name(i)} in Ray", 0.5,
                      (Exception,))
         venv = dict(os.environ, **(extra_env or {}), VIGIL_HOME=str(home), VIGIL_RUN_DIR=str(run_dir),
                     VIGIL_CONTROLLER_URL=cluster.controller_url)

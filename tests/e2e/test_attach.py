@@ -34,13 +34,23 @@ def attached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttachedClust
         cluster.stop()
 
 
-def _agents(name: str) -> list[int]:
-    """Pids of the `python -m agent --node-id <name>` processes on this host."""
+def _agents(cluster: AttachedCluster, name: str) -> list[int]:
+    """Pids of this cluster's `python -m agent --node-id <name>` processes (under its raylets: another
+    cluster on the machine, `vigil up`'s, may have a node of the same name)."""
     out = []
-    for p in psutil.process_iter(["cmdline"]):
-        argv = p.info["cmdline"] or []
-        if "agent" in argv and "-m" in argv and f"{name}" in argv and "--node-id" in argv:
-            out.append(p.pid)
+    for child in list(cluster.procs.children):
+        try:
+            below = psutil.Process(child.proc.pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in below:
+            try:
+                argv = p.cmdline()
+            except psutil.Error:
+                continue
+            named = "--node-id" in argv and argv[argv.index("--node-id") + 1:][:1] == [name]
+            if argv[1:3] == ["-m", "agent"] and named:
+                out.append(p.pid)
     return out
 
 
@@ -50,9 +60,9 @@ def _heard(client: VigilClient) -> set[str]:
 
 def test_agents_on_every_node_through_ray_and_back_after_kill_9(attached: AttachedCluster) -> None:
     with VigilClient(attached.controller_url, token=attached.admin_token, timeout=30) as client:
-        assert {"vigil-node-0", "vigil-node-1", "vigil-node-2"} <= _heard(client)  # the fixture waited for them
+        assert {"attached-node-0", "attached-node-1", "attached-node-2"} <= _heard(client)  # the fixture waited for them
         kinds = [e.node_id for e in client.list_events(limit=200).data if e.kind == "agent_deployed"]
-        assert sorted(kinds) == ["vigil-node-0", "vigil-node-1", "vigil-node-2"]
+        assert sorted(kinds) == ["attached-node-0", "attached-node-1", "attached-node-2"]
 
         job = client.submit_job(JobCreate.model_validate({
             "name": "attached", "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
@@ -60,9 +70,10 @@ def test_agents_on_every_node_through_ray_and_back_after_kill_9(attached: Attach
             "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": STEPS, "batch_size": 4,
             "checkpoint": {"interval_steps": 40, "keep_last": 2}, "recovery": {"policy": "evict_restart"}}))
         wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 20, 300, "step 20", 1)
-        (old,) = _agents("vigil-node-1")
+        (old,) = _agents(attached, "attached-node-1")
         os.kill(old, signal.SIGKILL)
-        wait_for(lambda: [p for p in _agents("vigil-node-1") if p != old], 10, "the agent of vigil-node-1 started again", 0.2)
+        wait_for(lambda: [p for p in _agents(attached, "attached-node-1") if p != old], 10,
+                 "the agent of attached-node-1 started again", 0.2)
         wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, "the job to end", 2)
         done = client.get_job(job.id)
         assert done.status == JobStatus.SUCCEEDED and done.last_step == STEPS, done.message
@@ -75,14 +86,15 @@ def test_agents_on_every_node_through_ray_and_back_after_kill_9(attached: Attach
         wait_for(every_step, 30, "every step of every rank stored", 1)
 
         # The actor itself killed: Ray starts it again on its node, and it starts a new agent.
-        (agent,) = _agents("vigil-node-2")
+        (agent,) = _agents(attached, "attached-node-2")
         host = psutil.Process(agent).parent()
         host.kill()
-        wait_for(lambda: [p for p in _agents("vigil-node-2") if p != agent], 60, "the agent host of vigil-node-2 restarted by Ray", 0.5)
+        wait_for(lambda: [p for p in _agents(attached, "attached-node-2") if p != agent], 60,
+                 "the agent host of attached-node-2 restarted by Ray", 0.5)
 
         # A node that joins later gets its agent.
         attached.add_node(3)
-        wait_for(lambda: "vigil-node-3" in _heard(client), 120, "an agent on the node that joined", 1, (Exception,))
+        wait_for(lambda: "attached-node-3" in _heard(client), 120, "an agent on the node that joined", 1, (Exception,))
 
 
 def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attached: AttachedCluster) -> None:
@@ -99,7 +111,7 @@ def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attach
         node = next(n.id for n in client.list_nodes().data for r in n.ranks if r.job_id == job.id and r.alive)
         client.inject_fault(job.id, FaultCreate.model_validate({"kind": "kill_node", "node_id": node}))
         wait_for(lambda: node not in attached.ray_alive(), 60, f"Ray to lose {node}", 1, (Exception,))
-        assert _agents(node) == []  # the agent went with its node
+        assert _agents(attached, node) == []  # the agent went with its node
         wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, "the job to end", 2)
         assert client.get_job(job.id).status == JobStatus.SUCCEEDED
         assert any(i.kind.value == "node_lost" and i.node_id == node for i in client.job_incidents(job.id).data)
