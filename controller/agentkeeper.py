@@ -39,7 +39,9 @@ EXIT_NODE_KILLED = 3
 def raylet_running(node_name: str) -> bool:
     """Whether a process named ``raylet`` whose command line names ``node_name`` runs on this host."""
     flags = (f"--node-name={node_name}", f"--node_name={node_name}")
-    for p in psutil.process_iter(["name", "cmdline"]):
+    for p in psutil.process_iter(["name", "cmdline", "status"]):
+        if p.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            continue  # killed a moment ago: not a node to keep an agent for
         if p.info["name"] == "raylet" and any(a in flags for a in p.info["cmdline"] or ()):
             return True
     return False

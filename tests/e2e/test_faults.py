@@ -328,10 +328,16 @@ def test_ray_node_removed_from_outside(client: VigilClient, cluster: LocalCluste
     job = client.submit_job(_spec("remove-node"))
     _reach(client, job.id, 25)
     _rank, node, _pid = _worker_rank(client, job.id)
-    # Remove the Ray node and its agent, as a host that dies would: kill their process trees.
-    for child in cluster.procs.children:
-        if child.name in (f"ray-node-{node.rsplit('-', 1)[1]}", f"agent-{node.rsplit('-', 1)[1]}"):
-            for p in [*psutil.Process(child.proc.pid).children(recursive=True), psutil.Process(child.proc.pid)]:
+    # Remove the Ray node and its agent, as a host that dies would: kill their process trees (under the process
+    # group's lock: vigil up's keeper must not start the agent again in between).
+    idx = node.rsplit('-', 1)[1]
+    with cluster.procs.lock:
+        for child in [c for c in cluster.procs.children if c.name in (f"ray-node-{idx}", f"agent-{idx}")]:
+            try:
+                tree = [*psutil.Process(child.proc.pid).children(recursive=True), psutil.Process(child.proc.pid)]
+            except psutil.Error:
+                continue  # already gone
+            for p in tree:
                 try:
                     p.kill()
                 except psutil.Error:
