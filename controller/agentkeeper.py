@@ -53,7 +53,8 @@ class AgentKeeper(BackgroundLoop):
     thread_name = "vigil-agent-keeper"
 
     def __init__(self, procs: ProcessGroup, agents: dict[str, str], interval: float = 0.5,
-                 backoff_s: float = 2.0, raylet_alive: Callable[[str], bool] = raylet_running) -> None:
+                 backoff_s: float = 2.0, raylet_alive: Callable[[str], bool] = raylet_running,
+                 settle_s: float = 2.0) -> None:
         self.procs = procs
         self.agents = dict(agents)
         self.interval = interval
@@ -63,6 +64,8 @@ class AgentKeeper(BackgroundLoop):
         """Restarts so far, per child name."""
         self._last: dict[str, float] = {}
         self._killed_nodes: set[int] = set()
+        self.settle_s = settle_s
+        self._dead_since: dict[int, float] = {}  # a dead agent's pid -> when first seen dead
         super().__init__()
 
     def tick(self) -> None:
@@ -79,6 +82,11 @@ class AgentKeeper(BackgroundLoop):
                         self._killed_nodes.add(dead.proc.pid)  # one started by hand later is kept again
                     continue
                 if time.monotonic() - self._last.get(name, float("-inf")) < self.backoff_s:
+                    continue
+                # A raylet killed with its agent (a host going down) takes a moment to exit: judge it only
+                # once the agent has been dead for settle_s.
+                first_seen = self._dead_since.setdefault(dead.proc.pid, time.monotonic())
+                if time.monotonic() - first_seen < self.settle_s:
                     continue
                 if not self.raylet_alive(node):
                     continue  # the node is down: the controller's node_lost, not the agent's death

@@ -38,7 +38,8 @@ def test_the_exit_status_is_the_agents(group) -> None:
 
 def test_a_killed_agent_is_started_again_with_its_command_line(group, tmp_path: Path) -> None:
     first = group.start("agent-1", [*SLEEPER, "60", "0"], dict(os.environ), tmp_path / "logs")
-    keeper = AgentKeeper(group, {"agent-1": "vigil-node-1"}, interval=0.05, raylet_alive=lambda node: True)
+    keeper = AgentKeeper(group, {"agent-1": "vigil-node-1"}, interval=0.05, raylet_alive=lambda node: True,
+                         settle_s=0.2)
     keeper.start()
     try:
         os.kill(first.proc.pid, signal.SIGKILL)
@@ -57,7 +58,7 @@ def test_not_after_it_killed_its_node_nor_while_the_raylet_is_gone(group, tmp_pa
     group.start("agent-1", [*SLEEPER, "0", "0"], dict(os.environ), tmp_path / "logs")  # its node died
     group.start("agent-2", [*SLEEPER, "0", str(EXIT_NODE_KILLED)], dict(os.environ), tmp_path / "logs")
     keeper = AgentKeeper(group, {"agent-1": "vigil-node-1", "agent-2": "vigil-node-2"}, interval=0.05,
-                         backoff_s=0.0, raylet_alive=raylet.__getitem__)
+                         backoff_s=0.0, raylet_alive=raylet.__getitem__, settle_s=0.0)
     for c in group.children:
         c.proc.wait(10)
     for _ in range(5):
