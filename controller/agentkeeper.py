@@ -1,4 +1,4 @@
-"""Agents that come back: ``vigil up`` starts a node's agent again within a second of its death.
+"""Agents that come back: ``vigil up`` starts a node's agent again within seconds of its death.
 
 An agent is the node's eyes and hands, but not the node: when it dies (a bug, an OOM kill, ``kill -9``)
 while the node's raylet lives on, the ranks there keep training and keep their samples in their own
