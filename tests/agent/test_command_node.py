@@ -149,6 +149,10 @@ def test_kill_node_kills_raylet_workers_ray_start_and_its_session(tmp_path, stan
             wait_for(lambda pid=pid: gone(pid), timeout=10, what=f"pid {pid} gone")
         assert r.output["session"] == start.pid
         assert process_alive(os.getpid())
+        # An agent not under the node's raylet kills none of its own ancestors afterwards (only a Ray-deployed
+        # agent, under the raylet it killed, has node processes above it).
+        assert r.output["after_answer"] == [] and ex.kill_own_ancestors() == []
+        assert process_alive(os.getppid())
         again = ex.run(CommandKind.KILL_NODE, {})
         assert not again.ok and "no raylet" in again.message  # nothing left to kill
     finally:
