@@ -108,6 +108,11 @@ class AgentConfig(BaseModel):
     raylet_pid: int | None = Field(
         None, ge=2, description="This node's raylet, when it cannot be found by its --node-name / --node_id."
     )
+    ray_gcs_address: str | None = Field(
+        None, min_length=3, pattern=r"^\S+:[0-9]{1,5}$",
+        description="This node's Ray cluster (GCS host:port): only a raylet whose --gcs-address is this one is "
+        "this node's (two clusters on one host may name their nodes alike). None: any raylet naming the node.",
+    )
     ray_start_pid: int | None = Field(
         None, ge=2, description="The `ray start --block` process of this node (killed with its session)."
     )

@@ -108,7 +108,7 @@ class Agent:
         self.exits = ExitWatcher()
         prepare_run_dir(config.run_dir)  # before anything is put there: a folder made by someone else is refused
         # A sender's job is bound to its Ray worker (the raylet's child above it), found by its raylet.
-        locator = RayletLocator(config.node_id, config.raylet_pid)
+        locator = RayletLocator(config.node_id, config.raylet_pid, gcs_address=config.ray_gcs_address)
         roots = WorkerRoots(CachedRaylet(lambda: getattr(locator.raylet(), "pid", None)))
         self.receiver = Receiver(config.socket_path, self.buffer, ranks=RankTracker(exits=self.exits),
                                  socket_group=config.socket_group, roots=roots)
@@ -132,6 +132,7 @@ class Agent:
                     storage_root=config.storage_root,
                     raylet_pid=config.raylet_pid,
                     ray_start_pid=config.ray_start_pid,
+                    ray_gcs_address=config.ray_gcs_address,
                     ray_join_cmd=config.ray_join_cmd,
                     rank_group=config.socket_group,
                     pyspy_timeout_s=config.pyspy_timeout_s,
@@ -373,6 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--raylet-pid", type=int, help="This node's raylet pid (default: found by its --node-name)."
     )
     p.add_argument(
+        "--ray-gcs-address",
+        help="This node's Ray cluster (GCS host:port): only a raylet started for it is this node's, where "
+        "several clusters on one host name their nodes alike (default: any raylet naming the node).",
+    )
+    p.add_argument(
         "--ray-start-pid", type=int, help="This node's `ray start --block` pid (killed with its session)."
     )
     p.add_argument(
@@ -400,7 +406,7 @@ def _json_argv(text: str) -> list[str]:
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     fields = {k: v for k, v in vars(args).items() if k != "log_level" and v is not None}
     if "node_id" not in fields:
-        fields["node_id"] = discover_node_id()  # ValueError naming why, for the caller to print
+        fields["node_id"] = discover_node_id(gcs_address=fields.get("ray_gcs_address"))  # ValueError naming why, for the caller to print
     return AgentConfig(**fields)
 
 

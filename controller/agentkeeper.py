@@ -36,13 +36,17 @@ EXIT_NODE_KILLED = 3
 """``vigil agent``'s exit status after it killed its own node on command (agent/main.py)."""
 
 
-def raylet_running(node_name: str) -> bool:
-    """Whether a process named ``raylet`` whose command line names ``node_name`` runs on this host."""
+def raylet_running(node_name: str, gcs_address: str | None = None) -> bool:
+    """Whether a process named ``raylet`` whose command line names ``node_name`` (of the Ray cluster at
+    ``gcs_address``, where given: another cluster on this host may name its nodes alike) runs on this host."""
     flags = (f"--node-name={node_name}", f"--node_name={node_name}")
+    gcs = None if gcs_address is None else (f"--gcs-address={gcs_address}", f"--gcs_address={gcs_address}")
     for p in psutil.process_iter(["name", "cmdline", "status"]):
         if p.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             continue  # killed a moment ago: not a node to keep an agent for
-        if p.info["name"] == "raylet" and any(a in flags for a in p.info["cmdline"] or ()):
+        argv = p.info["cmdline"] or ()
+        if (p.info["name"] == "raylet" and any(a in flags for a in argv)
+                and (gcs is None or any(a in gcs for a in argv))):
             return True
     return False
 

@@ -28,7 +28,7 @@ from typing import Self
 
 import httpx
 
-from controller.agentkeeper import AgentKeeper
+from controller.agentkeeper import AgentKeeper, raylet_running
 from controller.checkpoint_layout import is_uri
 from controller.netns import LinkSpec, NetnsCluster
 from controller.netns import cleanup_stale as cleanup_stale_netns
@@ -317,6 +317,7 @@ def start_local_cluster(
             agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agents[node_id], VIGIL_CONTROLLER_URL=agents_url)
             url = node_controller_urls if net and i > 0 else agents_url
             argv = [*vigil, "agent", "--node-id", node_id, "--controller", url,
+                    "--ray-gcs-address", f"{head_ip}:{gcs_port}",  # another cluster here may name its nodes alike
                     "--socket", str(agent_socket_path(run_dir, node_id)),
                     "--spool-dir", str(home / "spool" / node_id), *agent_extra_args(node_id, join_cmds, iso.storage, procs)]
             if iso.user is not None:
@@ -341,7 +342,8 @@ def start_local_cluster(
         shutil.rmtree(ray_temp, ignore_errors=True)
         _revoke(db_url, tokens.agent_token_ids)
         raise
-    keeper = AgentKeeper(procs, {f"agent-{i}": node_id for i, node_id in enumerate(node_ids)})
+    keeper = AgentKeeper(procs, {f"agent-{i}": node_id for i, node_id in enumerate(node_ids)},
+                         raylet_alive=partial(raylet_running, gcs_address=f"{head_ip}:{gcs_port}"))
     keeper.start()
     return LocalCluster(home, controller_url, f"{head_ip}:{gcs_port}", dashboard_url, node_ids, procs, ray_temp,
                         run_dir, controller_urls=controller_urls, controller_names=controller_names,

@@ -56,6 +56,9 @@ class ExecutorConfig:
     #: Fallbacks when the raylet or ``ray start`` cannot be found by command line.
     raylet_pid: int | None = None
     ray_start_pid: int | None = None
+    #: This node's Ray cluster (GCS ``host:port``): only a raylet of that cluster is this node's (two clusters
+    #: on one host may name nodes alike). None: any raylet naming the node.
+    ray_gcs_address: str | None = None
     #: argv that (re)joins this node to the cluster (``start_raylet``); None: readmission unsupported.
     ray_join_cmd: list[str] | None = None
     #: The ranks' group when they run as another user than the agent: a job's fault folder is theirs to
@@ -91,7 +94,8 @@ class CommandExecutor(FileKinds, StackKinds, NodeKinds):
         self._throttles: dict[int, Throttle] = {}
         self._join: subprocess.Popen[bytes] | None = None
         self.locator = RayletLocator(
-            config.node_id, config.raylet_pid, config.ray_start_pid, join_child=self._join_process
+            config.node_id, config.raylet_pid, config.ray_start_pid, join_child=self._join_process,
+            gcs_address=config.ray_gcs_address,
         )
         self._handlers: dict[str, Handler] = {
             CommandKind.KILL_PID.value: self.kill_pid,

@@ -11,6 +11,14 @@ from agent.commands.errors import CommandError
 from agent.commands.pids import _gone, live_process
 
 _NODE_FLAGS = ("--node-name", "--node_name", "--node-id", "--node_id")
+_GCS_FLAGS = ("--gcs-address", "--gcs_address")
+
+
+def of_cluster(cmdline: Sequence[str], gcs_address: str | None) -> bool:
+    """Whether a raylet's command line says it belongs to the Ray cluster at ``gcs_address`` (``host:port``;
+    None: any cluster). Two clusters on one host may name their nodes alike (``vigil up`` twice, a test
+    cluster beside an operator's): the node name alone does not tell them apart."""
+    return gcs_address is None or _flag(cmdline, _GCS_FLAGS) == gcs_address
 
 
 def _names_node(cmdline: Sequence[str], node: str) -> bool:
@@ -44,7 +52,8 @@ class RayletLocator:
     The raylet is the process named ``raylet`` whose command line names this node
     (``--node-name=<node>`` as Ray 2.x passes it, ``--node_name=``, or ``--node_id=<hex>`` for nodes
     known by their Ray id); failing that, a configured ``raylet_pid`` that still names a raylet (a
-    pid can be reused). ``ray start`` is the configured ``ray_start_pid``, or the join command the
+    pid can be reused). With ``gcs_address`` only a raylet of that Ray cluster counts (:func:`of_cluster`).
+    ``ray start`` is the configured ``ray_start_pid``, or the join command the
     agent started, or the raylet's parent when that is a ``ray start`` process.
     """
 
@@ -54,8 +63,10 @@ class RayletLocator:
         raylet_pid: int | None = None,
         ray_start_pid: int | None = None,
         join_child: Callable[[], psutil.Process | None] = lambda: None,
+        gcs_address: str | None = None,
     ) -> None:
         self.node = node
+        self.gcs_address = gcs_address
         self.raylet_pid = raylet_pid
         self.ray_start_pid = ray_start_pid
         self._join_child = join_child
@@ -63,7 +74,8 @@ class RayletLocator:
     def raylets(self) -> list[psutil.Process]:
         found = []
         for p in psutil.process_iter(["name", "cmdline"]):
-            named = p.info["name"] == "raylet" and _names_node(p.info["cmdline"] or [], self.node)
+            argv = p.info["cmdline"] or []
+            named = p.info["name"] == "raylet" and _names_node(argv, self.node) and of_cluster(argv, self.gcs_address)
             if named and not _gone(p):
                 found.append(p)
         if not found and self.raylet_pid is not None:
@@ -108,11 +120,12 @@ def _flag(cmdline: Sequence[str], names: tuple[str, ...]) -> str | None:
     return None
 
 
-def discover_node_id(processes: Callable[[], Iterable[psutil.Process]] | None = None) -> str:
+def discover_node_id(processes: Callable[[], Iterable[psutil.Process]] | None = None,
+                     gcs_address: str | None = None) -> str:
     """This host's Ray node as its raylet names it: the raylet's ``--node-name`` where the operator gave
     one (``ray start --node-name``, ``vigil up``), else its Ray node id (hex). For an agent started by hand,
     by a Kubernetes sidecar or by Ray itself, with no ``--node-id``. ValueError when no raylet, or several
-    (several raylets on one host: say which with ``--node-id``)."""
+    (several raylets on one host: say which with ``--node-id``, or the cluster with ``gcs_address``)."""
     found = []
     for p in (processes or psutil.process_iter)():
         try:
@@ -120,6 +133,8 @@ def discover_node_id(processes: Callable[[], Iterable[psutil.Process]] | None = 
                 continue
             argv = p.cmdline()
         except psutil.Error:
+            continue
+        if not of_cluster(argv, gcs_address):
             continue
         node = _flag(argv, ("--node-name", "--node_name")) or _flag(argv, ("--node_id", "--node-id"))
         if node:

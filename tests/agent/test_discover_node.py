@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
+from pydantic import ValidationError
 
-from agent.commands.raylet import discover_node_id
+from agent.commands.errors import CommandError
+from agent.commands.raylet import RayletLocator, discover_node_id
 from agent.main import build_parser, config_from_args
+from controller.agentkeeper import raylet_running
 from controller.probe import wait_for
 
 STANDIN = "#!{python}\nimport time; time.sleep(600)\n"
@@ -60,8 +64,41 @@ def test_none_or_several_raylets_say_so(raylets) -> None:
 
 def test_the_agent_without_node_id_uses_it(raylets, monkeypatch) -> None:
     only = raylets("--node_id=ab12cd34")
-    monkeypatch.setattr("agent.main.discover_node_id", lambda: discover_node_id(lambda: [only]))
+    monkeypatch.setattr("agent.main.discover_node_id",
+                        lambda gcs_address=None: discover_node_id(lambda: [only], gcs_address))
     cfg = config_from_args(build_parser().parse_args(["--token", "t", "--controller", "http://127.0.0.1:1"]))
     assert cfg.node_id == "ab12cd34"
     cfg = config_from_args(build_parser().parse_args(["--node-id", "given", "--token", "t"]))
     assert cfg.node_id == "given"
+
+
+def test_two_clusters_naming_their_nodes_alike_are_told_apart_by_their_gcs_address(raylets) -> None:
+    """Two ``vigil up`` clusters on one host (or a test cluster beside an operator's) both have a
+    ``vigil-node-3``: an agent told its cluster's GCS address takes only that cluster's raylet, for its
+    commands (kill_node, readmission), its senders' binding and discovery; the keeper likewise."""
+    node = f"vigil-node-{uuid.uuid4().hex[:8]}"  # no real raylet on this machine names it
+    mine = raylets(f"--node-name={node}", "--gcs-address=192.0.2.2:41000")
+    theirs = raylets(f"--node-name={node}", "--gcs-address=192.0.2.2:42000")
+    with pytest.raises(CommandError, match=f"2 raylets name node '{node}'"):
+        RayletLocator(node).raylet()  # without the cluster: refuses to guess
+    assert RayletLocator(node, gcs_address="192.0.2.2:41000").raylet().pid == mine.pid
+    assert RayletLocator(node, gcs_address="192.0.2.2:42000").raylet().pid == theirs.pid
+    assert RayletLocator(node, gcs_address="192.0.2.2:43000").raylet() is None
+    elsewhere = raylets(f"--node-name={node}-b", "--gcs-address=192.0.2.2:42000")
+    with pytest.raises(ValueError, match="2 raylets"):
+        discover_node_id(lambda: [mine, elsewhere])
+    assert discover_node_id(lambda: [mine, elsewhere], "192.0.2.2:42000") == f"{node}-b"
+    assert discover_node_id(lambda: [mine, elsewhere], "192.0.2.2:41000") == node
+    assert raylet_running(node, "192.0.2.2:41000")
+    assert not raylet_running(node, "192.0.2.2:43000")
+    theirs.kill()
+    theirs.wait(10)
+    assert RayletLocator(node).raylet().pid == mine.pid
+
+
+def test_the_agent_takes_its_clusters_gcs_address_and_refuses_a_malformed_one() -> None:
+    base = ["--node-id", "n", "--token", "t", "--controller", "http://127.0.0.1:1"]
+    cfg = config_from_args(build_parser().parse_args([*base, "--ray-gcs-address", "10.0.0.5:6379"]))
+    assert cfg.ray_gcs_address == "10.0.0.5:6379"
+    with pytest.raises(ValidationError, match="ray_gcs_address"):
+        config_from_args(build_parser().parse_args([*base, "--ray-gcs-address", "no port here"]))
