@@ -27,6 +27,21 @@ from controller.recovery import reads
 from controller.recovery.detectors import Finding
 from controller.schemas import IncidentKind, RecoveryThresholds
 
+OWN_HISTORY_STEPS = 200
+"""How far back a rank's own past reaches for the individual score (steps before the scored window)."""
+OWN_BASELINE_QUANTILE = 0.25
+"""The rank's own pace: this quantile of its past, not the median. With the median, a rank slow for half
+its past (about 25 steps of a 50-step past) stopped being a straggler; telemetry that arrives in bursts
+(a rank's recorder read every few seconds) could skip that whole chance, and a 4x slow rank was never named
+(seen in CI). The lower quartile keeps its pace before the slowdown until three quarters of its past are
+slow: a rank always behind its peers (a busier host) is still an imbalance, not a new straggler."""
+
+
+def own_baseline(history: list[float] | tuple[float, ...]) -> float:
+    """The rank's own pace: :data:`OWN_BASELINE_QUANTILE` of its past times (at least 1e-9)."""
+    ordered = sorted(history)
+    return max(ordered[int(OWN_BASELINE_QUANTILE * (len(ordered) - 1))], 1e-9)
+
 
 def detect(s: Session, job: Job, th: RecoveryThresholds, checkpoint_interval: int,
            since: float | None = None) -> list[Finding]:
@@ -65,12 +80,12 @@ def detect(s: Session, job: Job, th: RecoveryThresholds, checkpoint_interval: in
         to_peers = statistics.median(window) / max(peer_window, 1e-9)
         if to_peers < th.straggler_ratio:
             continue
-        # Individual score: slower than this rank's own recent past too. A rank that was always a
-        # little behind its peers (a busier host, say) is an imbalance, not a new straggler.
-        history = reads.compute_history(s, job.id, rank, steps[-1])
+        # Individual score: slower than this rank's own past pace too (own_baseline). A rank that was
+        # always a little behind its peers (a busier host, say) is an imbalance, not a new straggler.
+        history = reads.compute_history(s, job.id, rank, steps[-1], OWN_HISTORY_STEPS)
         if len(history) < th.straggler_m:
             continue
-        own = statistics.median(window) / max(statistics.median(history), 1e-9)
+        own = statistics.median(window) / own_baseline(list(history))
         if own < th.straggler_own_ratio:
             continue
         # And slower by a margin that matters: on a busy host a few-millisecond compute phase
@@ -146,10 +161,10 @@ def late_rank(s: Session, job: Job, th: RecoveryThresholds, steps: list[int]) ->
                                                            th.straggler_min_share * step_median):
             continue
         window = [work[st][rank] for st in steps if rank in work.get(st, {})]
-        history = reads.work_history(s, job.id, rank, steps[-1])
+        history = reads.work_history(s, job.id, rank, steps[-1], OWN_HISTORY_STEPS)
         if len(history) < th.straggler_m:
             continue
-        own = statistics.median(window) / max(statistics.median(history), 1e-9)
+        own = statistics.median(window) / own_baseline(history)
         if own < th.straggler_own_ratio:
             continue
         loc = reads.rank_locations(s, job.id).get(rank)

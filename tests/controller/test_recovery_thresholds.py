@@ -116,3 +116,24 @@ def test_a_stricter_straggler_bar_spares_the_same_rank(rig: Env) -> None:
     rig.steps(21, 32, compute={1: 0.15})  # 3x: a straggler by the default 1.7, not by 3.5
     rig.monitor.step()
     assert rig.incidents() == [] and rig.cluster.drained == []
+
+
+def test_a_straggler_first_seen_long_after_it_slowed_is_still_named(rig: Env) -> None:
+    """Telemetry that arrives in bursts (a rank's Flight Recorder read every few seconds) may give the
+    monitor its first look at a slow rank 60 steps into the slowdown: its own past still holds its pace
+    from before (seen in CI: a 4x rank never named when the first 25 slow steps went by unseen)."""
+    start(rig, {"policy": "observe"})
+    rig.steps(1, 100)
+    rig.steps(101, 160, compute={1: 0.2})  # 4x from step 101, the monitor's first look at step 160
+    rig.monitor.step()
+    inc = rig.incidents()
+    assert [(i["kind"], i["rank"]) for i in inc] == [("straggler", 1)]
+    assert inc[0]["evidence"]["ratio_to_own_history"] > 3
+
+
+def test_a_rank_slow_for_most_of_its_past_is_an_imbalance_not_a_new_straggler(rig: Env) -> None:
+    start(rig, {"policy": "observe"})
+    rig.steps(1, 20)
+    rig.steps(21, 200, compute={1: 0.2})  # slower than its peer for 180 of its 200 steps
+    rig.monitor.step()
+    assert rig.incidents() == []
