@@ -1,6 +1,10 @@
 """One local cluster (head + 3 worker raylets, real agents, the real controller) shared by the end-to-end
 modules whose jobs do not disturb each other's nodes: a user's own code (test_user_code.py) and a tenant's
-attacks (test_tenant.py). Each start costs about 40 s on this machine."""
+attacks (test_tenant.py). Each start costs about 40 s on this machine.
+
+The tests on the shared cluster run last, one after another: it then runs alone, never beside a module's own
+cluster (which stops when its module ends). Two clusters at once on this 2-core machine slow each other's
+jobs, and both name their nodes ``vigil-node-<i>``."""
 
 from __future__ import annotations
 
@@ -10,6 +14,14 @@ import pytest
 
 from controller.client import VigilClient
 from controller.localcluster import LocalCluster, free_port, start_local_cluster
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that use :func:`shared_cluster` after all others (stable order within each part)."""
+    shared = [i for i in items if "shared_cluster" in getattr(i, "fixturenames", ())]
+    if shared:
+        ids = {id(i) for i in shared}
+        items[:] = [i for i in items if id(i) not in ids] + shared
 
 
 @pytest.fixture(scope="session")
