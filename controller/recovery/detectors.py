@@ -216,15 +216,20 @@ def _rank_hang(s: Session, job: Job, limit: float, now: float, since: float | No
 
 
 def diagnose_hang(s: Session, job: Job, inc: Incident, th: RecoveryThresholds, now: float) -> list[Finding]:
-    """An OPEN hang once every rank's py-spy stack is in (or ``stack_wait_s`` passed): the stacks grouped
-    by their innermost frames; a single odd rank out becomes the incident's rank and node. Suspects: the
-    odd ranks, else every rank."""
+    """An OPEN hang once every rank's py-spy stack and collective report are in (or ``stack_wait_s``
+    passed): the stacks grouped by their innermost frames; a single odd rank out becomes the incident's
+    rank and node. Suspects: the odd ranks, else every rank."""
     if inc.status != IncidentStatus.OPEN.value:
         return []
     dumps = reads.stack_dumps(s, inc.id)
     expected = len(reads.rank_locations(s, job.id))
     waited = now - inc.detected_at.timestamp()
     if len({d.rank for d in dumps}) < expected and waited < th.stack_wait_s:
+        return []
+    # Every rank's collective report too, where the ranks have watchers (one reported): a report still on
+    # its way would leave the culprit out of the line-up for good (seen in CI: "every rank entered it").
+    progress = reads.rank_progress(s, job.id)
+    if progress and len(progress) < expected and waited < th.stack_wait_s:
         return []
     stacks = {d.rank: d.stack for d in dumps}
     groups, odd = group_stacks(stacks)
@@ -233,7 +238,7 @@ def diagnose_hang(s: Session, job: Job, inc: Incident, th: RecoveryThresholds, n
                 "odd_ranks": odd, "stacks_from": sorted(stacks)}
     # Where each rank stands in its collectives (its watcher's reports): the rank(s) that never entered
     # the collective the others wait in. It names the culprit before the stacks do.
-    found = collectives.analyse(reads.rank_progress(s, job.id))
+    found = collectives.analyse(progress)
     late: list[int] = []
     if found is not None:
         evidence["collectives"] = {**found, "summary": collectives.summary(found)}

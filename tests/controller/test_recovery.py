@@ -479,6 +479,37 @@ def test_under_observe_an_open_straggler_does_not_mute_a_hang_named_by_its_colle
     assert env.cluster.drained == []  # observe: on record, no action
 
 
+@pytest.mark.parametrize("env", [{"recovery": {"policy": "observe"}}], indirect=True)
+def test_a_hangs_diagnosis_waits_for_every_ranks_collective_report(env: Env) -> None:
+    """Every stack is in but rank 1's progress report is still on its way: the diagnosis waits for it (up to
+    stack_wait_s) instead of lining up rank 0 alone, which said "every rank entered it" for good (seen in CI)."""
+    env.steps(1, 20)
+    env.clock.now += 16
+
+    def report(rank: int) -> None:
+        entered = 83 if rank == 0 else 82
+        env.post([{"kind": "progress", "job_id": env.job_id, "rank": rank, "attempt": env.attempt,
+                   "ts": env.clock.now, "step": 21, "idle_s": 16.0,
+                   "groups": [{"group": "world", "last_enqueued": entered, "last_completed": 82}],
+                   "in_flight": [{"group": "world", "seq": 83, "op": "all_reduce", "enqueued_ts": env.clock.now - 16}]
+                   if rank == 0 else []}], env.nodes[rank])
+
+    report(0)
+    env.heartbeats()
+    env.monitor.step()
+    dumps = {n: env.commands(n) for n in ("vigil-node-1", "vigil-node-2")}
+    same = 'Thread 0x1 (idle): "MainThread"\n    fit (trainer.py:10)\n'
+    for rank, node in env.nodes.items():
+        env.answer(node, dumps[node][0]["id"], output={"stacks": {str(rank): same}})
+    env.monitor.step()
+    hang = next(i for i in env.incidents() if i["kind"] == "hang")
+    assert "collectives" not in hang["evidence"]  # not yet: rank 1's report is missing
+    report(1)
+    env.monitor.step()
+    hang = next(i for i in env.incidents() if i["kind"] == "hang")
+    assert hang["evidence"]["collectives"]["not_entered"] == [1] and hang["rank"] == 1
+
+
 def test_a_node_the_job_cannot_do_without_is_not_evicted(env: Env) -> None:
     """Two 1-CPU workers on two 1-CPU nodes (the head has none): evicting either leaves the job nowhere to
     run, so a straggler is recorded and the job runs on; a hang restarts the ranks without evicting."""

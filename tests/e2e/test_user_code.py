@@ -185,7 +185,7 @@ def test_plain_ddp_project_with_common_module_names_is_watched_through_torchs_co
     finally:  # a hung job holds its CPUs: the next test needs them
         _cancel_and_free(client, job_id)
     found = inc.evidence["collectives"]
-    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], found
+    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], _lineup(found)
     assert found["waiting_in"]["group"] == "world" and found["waiting_in"]["op"] == "all_reduce", found
     assert inc.rank == 1 and "rank 1 never entered it" in found["summary"]
     stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
@@ -210,6 +210,12 @@ def _slow_rank_1_ahead(client: VigilClient, job_id: str) -> int:
     at = (client.get_job(job_id).last_step or 15) + 60
     client.inject_fault(job_id, FaultCreate(kind="slow_rank", rank=1, step=at, params={"factor": 4, "mode": "compute"}))
     return at
+
+
+def _lineup(found: dict[str, Any]) -> str:
+    """The hang's line-up in one short line (pytest cuts a long message): who reported, and what each entered."""
+    return (f"{found['summary']}; entered per rank: "
+            f"{ {r: (v['entered'], v['step'], v['idle_s']) for r, v in found['ranks'].items()} }")
 
 
 def _wait_hang_by_collective(client: VigilClient, job_id: str) -> Any:
@@ -255,7 +261,7 @@ def test_torchrun_script_as_it_is_shows_a_straggler_and_a_hang_by_collective(
     finally:  # a hung job holds its CPUs: the next test needs them
         _cancel_and_free(client, job_id)
     found = inc.evidence["collectives"]
-    assert found["not_entered"] == [1] and found["waiting_in"]["op"] == "all_reduce", found
+    assert found["not_entered"] == [1] and found["waiting_in"]["op"] == "all_reduce", _lineup(found)
     assert inc.rank == 1
     stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
     assert stragglers and stragglers[0].rank == 1, [(i.kind, i.rank) for i in client.job_incidents(job_id).data]
@@ -366,7 +372,7 @@ def test_fsdp2_shows_its_all_gathers_a_straggler_and_a_hang_by_collective(
     finally:  # a hung job holds its CPUs: the next test needs them
         _cancel_and_free(client, job_id)
     found = inc.evidence["collectives"]
-    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], found
+    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], _lineup(found)
     assert inc.rank == 1 and "rank 1 never entered it" in found["summary"]
     stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
     assert stragglers and stragglers[0].rank == 1, [(i.kind, i.rank) for i in client.job_incidents(job_id).data]
