@@ -22,7 +22,8 @@ from typing import Any
 from dash import html
 
 from controller.schemas import JobCollectivesPublic
-from dashboard.tables import CELL_STYLE, DASH, TABLE_STYLE, fmt_float, fmt_rank_list
+from dashboard.format import DASH, fmt_float, fmt_rank_list
+from dashboard.tables import CELL_STYLE, TABLE_STYLE
 
 ESTIMATED_MARK = " (est.)"
 """Appended to the label of a kind of collective whose bytes are estimated."""

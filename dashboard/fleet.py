@@ -42,7 +42,7 @@ from controller.schemas import (
     NodePublic,
     RankProcess,
 )
-from dashboard.tables import DASH, fmt_age
+from dashboard.format import DASH, fmt_age
 
 NA = "n/a"
 """Shown where a node does not have (or could not measure) a metric."""

@@ -44,26 +44,21 @@ from controller.schemas import IncidentKind
 from dashboard import collectives_view, figures, job_views
 from dashboard.actions import job_actions_panel
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
-from dashboard.job_views import Cursor
-from dashboard.tables import (
+from dashboard.incident_views import incident_card
+from dashboard.job_grids import (
     CHECKPOINT_COLUMNS,
     COLLECTIVE_COLUMNS,
     EVENT_GRID_COLUMNS,
-    ROW_STYLE,
     SLOWEST_COLUMNS,
-    Vitals,
     checkpoint_rows,
     collective_rows,
-    error_banner,
     event_rows,
-    goodput_summary,
     grid,
-    incident_card,
-    job_header,
-    marker_detail,
-    rank_detail,
     slowest_rank_rows,
 )
+from dashboard.job_panels import Vitals, goodput_summary, job_header, marker_detail, rank_detail
+from dashboard.job_views import Cursor
+from dashboard.tables import ROW_STYLE, error_banner
 
 dash.register_page(
     __name__,

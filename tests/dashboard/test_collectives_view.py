@@ -14,7 +14,8 @@ import pytest
 
 from controller.schemas import CAPTURED_TAG
 from dashboard import collectives_view as cv
-from dashboard import figures, job_views, tables
+from dashboard import figures, incident_views, job_grids, job_panels, job_views
+from dashboard import format as fmt
 from tests.dashboard import job_samples as js
 
 
@@ -65,7 +66,7 @@ def test_estimated_kinds_are_marked_in_every_figure_and_the_grid() -> None:
     assert [t.name for t in bits.data] == ["torch (est.)", "weights"]  # the legend
     only = figures.bits_per_element_figure(js.collectives("job", _torch()))
     assert [t.name for t in only.data] == ["torch (est.)"] and only.layout.showlegend  # a lone line is named too
-    assert [r["kind"] for r in tables.collective_rows(stats)] == labels
+    assert [r["kind"] for r in job_grids.collective_rows(stats)] == labels
 
 
 def test_the_note_shows_only_when_a_kind_is_estimated() -> None:
@@ -84,7 +85,7 @@ def test_a_job_whose_only_collectives_are_torchs_is_not_waiting_for_data() -> No
     figs = [figures.collective_time_figure(stats), figures.collective_wait_figure(stats),
             figures.collective_bandwidth_figure(stats), figures.bits_per_element_figure(coll)]
     assert all(len(f.data) > 0 and figures.WAITING_TEXT not in _annotations(f) for f in figs)
-    assert len(tables.collective_rows(stats)) == 2
+    assert len(job_grids.collective_rows(stats)) == 2
     # Estimates without a transfer time or an element count are still data, said as such.
     bare = js.collectives("job", _torch(transfer=0.0, elements_per_rank=0))
     bw = figures.collective_bandwidth_figure(figures.collective_stats(bare))
@@ -102,7 +103,7 @@ def test_hang_rows_one_per_rank_with_the_late_one_marked() -> None:
     assert rows[0] == {"rank": 0, "step": "40", "idle_s": "31.2", "last_done": "all_reduce #81 (world)",
                        "inside": "all_reduce #82 (world)", "marker": ""}
     assert rows[1] == {"rank": 1, "step": "39", "idle_s": "32.5", "last_done": "all_reduce #81 (world)",
-                       "inside": tables.DASH, "marker": "never entered"}
+                       "inside": fmt.DASH, "marker": "never entered"}
     assert cv.hang_summary(evidence) == "ranks 0, 2-3 wait in all_reduce #82 of group world; rank 1 never entered it"
 
 
@@ -118,13 +119,13 @@ def test_hang_rows_with_missing_and_none_fields() -> None:
     }
     rows = {r["rank"]: r for r in cv.hang_collective_rows({"collectives": found})}
     assert sorted(rows) == [0, 2, 4, 7]  # 7 never entered and sent no report: still listed
-    assert rows[0] == {"rank": 0, "step": "3", "idle_s": "12", "last_done": tables.DASH,
+    assert rows[0] == {"rank": 0, "step": "3", "idle_s": "12", "last_done": fmt.DASH,
                        "inside": "broadcast #5", "marker": ""}
-    assert rows[2] == {"rank": 2, "step": tables.DASH, "idle_s": tables.DASH, "last_done": "all_gather (pg1)",
-                       "inside": tables.DASH, "marker": "never entered"}
-    assert rows[4]["last_done"] == tables.DASH and rows[4]["marker"] == ""
-    assert rows[7] == {"rank": 7, "step": tables.DASH, "idle_s": tables.DASH, "last_done": tables.DASH,
-                       "inside": tables.DASH, "marker": "never entered"}
+    assert rows[2] == {"rank": 2, "step": fmt.DASH, "idle_s": fmt.DASH, "last_done": "all_gather (pg1)",
+                       "inside": fmt.DASH, "marker": "never entered"}
+    assert rows[4]["last_done"] == fmt.DASH and rows[4]["marker"] == ""
+    assert rows[7] == {"rank": 7, "step": fmt.DASH, "idle_s": fmt.DASH, "last_done": fmt.DASH,
+                       "inside": fmt.DASH, "marker": "never entered"}
     # No line of its own: said from the evidence.
     assert cv.hang_summary({"collectives": found}) == "rank 0 waits in broadcast #5 (world); ranks 2, 7 never entered it"
     assert cv.hang_summary({"collectives": {"ranks": {}}}) is None
@@ -171,12 +172,12 @@ def test_incident_card_shows_the_collectives_above_the_stacks() -> None:
                 "collectives": js.hang_evidence(ranks=4, late=1)}
     inc = js.incident(3, evidence=evidence)
     where = cv.hang_collectives_view(inc.evidence, "job-detail-hang-collectives-3")
-    card = tables.incident_card(inc, job_views.incident_phases(inc, None), None, js.stacks(), where)
+    card = incident_views.incident_card(inc, job_views.incident_phases(inc, None), None, js.stacks(), where)
     ids = [getattr(c, "id", None) for c in _walk(card)]
     assert ids.index("job-detail-hang-collectives-3") < ids.index("job-detail-stacks")
     text = _text(card)
     assert text.count("rank 1 never entered it") == 1  # not repeated by the evidence table
     assert "waiting_ranks" not in text and "idle_s" in text
     # Where the view is not drawn (a marker's details), the evidence row is the summary, not JSON.
-    detail = tables.marker_detail(["incident", 40, "hang", "3", js.TS0], inc)
+    detail = job_panels.marker_detail(["incident", 40, "hang", "3", js.TS0], inc)
     assert "rank 1 never entered it" in _text(detail) and "waiting_ranks" not in _text(detail)

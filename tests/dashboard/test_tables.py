@@ -1,4 +1,5 @@
-"""Unit tests of dashboard/tables.py: pure functions from wire schemas to Dash components.
+"""Unit tests of the dashboard's tables and components (dashboard/tables.py, format.py, job_panels.py,
+job_grids.py, incident_views.py): pure functions from wire schemas to Dash components.
 
 Needs: dash and the wire schemas only (no server, no browser).
 """
@@ -22,7 +23,8 @@ from controller.schemas import (
     NodeState,
     RankProcess,
 )
-from dashboard import figures, job_views, tables
+from dashboard import figures, incident_views, job_grids, job_panels, job_views, tables
+from dashboard import format as fmt
 from tests.dashboard import job_samples as js
 from tests.dashboard.samples import make_event, make_job, make_node
 
@@ -110,7 +112,7 @@ def test_events_table_links_jobs() -> None:
 def test_job_summary_names_status_and_spec() -> None:
     job = make_job("j9", "my run", JobStatus.FAILED, optimizer="powersgd", workers=(4, 4), last_step=7)
     job.message = "rank 3 died"
-    parts = tables.job_summary(job)
+    parts = job_panels.job_summary(job)
     texts = [t for p in parts for t in _texts(p)]
     for expected in (
         "my run",
@@ -125,22 +127,22 @@ def test_job_summary_names_status_and_spec() -> None:
 
 
 def test_formatters() -> None:
-    assert tables.fmt_time(None) == "–"
+    assert fmt.fmt_time(None) == "–"
     cet = timezone(timedelta(hours=1))
-    assert tables.fmt_time(datetime(2026, 1, 1, 1, 0, 0, tzinfo=cet)) == "2026-01-01 00:00:00"
-    assert tables.fmt_float(None) == "–"
-    assert tables.fmt_float(math.nan) == "nan"
-    assert tables.fmt_float(1.23456789) == "1.235"
-    assert [tables.fmt_age(s) for s in (None, 0.84, 42.0, 300.0, 9000.0)] == [
+    assert fmt.fmt_time(datetime(2026, 1, 1, 1, 0, 0, tzinfo=cet)) == "2026-01-01 00:00:00"
+    assert fmt.fmt_float(None) == "–"
+    assert fmt.fmt_float(math.nan) == "nan"
+    assert fmt.fmt_float(1.23456789) == "1.235"
+    assert [fmt.fmt_age(s) for s in (None, 0.84, 42.0, 300.0, 9000.0)] == [
         "–",
         "0.8 s",
         "42 s",
         "5 min",
         "2.5 h",
     ]
-    assert tables.fmt_ranks([]) == "–"
-    assert tables.fmt_host({}) == "–"
-    assert tables.fmt_host({"gpu": "unavailable", "cpu": 0.123456}) == "cpu=0.123, gpu=unavailable"
+    assert fmt.fmt_ranks([]) == "–"
+    assert fmt.fmt_host({}) == "–"
+    assert fmt.fmt_host({"gpu": "unavailable", "cpu": 0.123456}) == "cpu=0.123, gpu=unavailable"
 
 
 # ==================================================================================================
@@ -166,7 +168,7 @@ def _text(component: Any) -> str:
 def test_job_header_progress_eta_restarts_and_the_incident_under_way() -> None:
     job = make_job("j1", "big run", JobStatus.RUNNING, steps=200, last_step=49)
     live = js.incident(7, IncidentKind.HANG, status=IncidentStatus.ACTING, rank=3, node_id="node-4")
-    header = html.Div(tables.job_header(job, tables.Vitals(eta_s=450.0, restarts=2, incident=live, ranks=1024)))
+    header = html.Div(job_panels.job_header(job, job_panels.Vitals(eta_s=450.0, restarts=2, incident=live, ranks=1024)))
     assert _by_id(header, "job-detail-status").children == "RUNNING"
     progress = _by_id(header, "job-detail-progress")
     assert (progress.value, progress.max) == ("50", "200")
@@ -175,19 +177,19 @@ def test_job_header_progress_eta_restarts_and_the_incident_under_way() -> None:
     assert _text(_by_id(header, "job-detail-restarts")) == "2"
     assert _text(_by_id(header, "job-detail-ranks")) == "1024"
     assert _text(_by_id(header, "job-detail-incident")) == "hang (ACTING): rank 3, node node-4"
-    quiet = html.Div(tables.job_header(make_job("j2", status=JobStatus.SUCCEEDED, last_step=99)))
+    quiet = html.Div(job_panels.job_header(make_job("j2", status=JobStatus.SUCCEEDED, last_step=99)))
     assert _text(_by_id(quiet, "job-detail-eta")) == "–" and _text(_by_id(quiet, "job-detail-incident")) == "–"
 
 
 def test_slowest_rank_rows_flag_the_straggler() -> None:
     ov = js.overview(steps=range(5), slow=5)
-    rows = tables.slowest_rank_rows(ov.slowest_ranks, figures.STRAGGLER_RATIO)
+    rows = job_grids.slowest_rank_rows(ov.slowest_ranks, figures.STRAGGLER_RATIO)
     assert [(r["rank"], r["vs_median"], r["flag"]) for r in rows] == [(5, 5.0, "straggler"), (0, 1.0, ""), (1, 1.0, "")]
     assert rows[0]["node_id"] == "node-2"
 
 
 def test_grids_are_sortable_filterable_ag_grids() -> None:
-    g = tables.grid("x-grid", tables.SLOWEST_COLUMNS, row_id="rank", highlight="params.data.flag")
+    g = job_grids.grid("x-grid", job_grids.SLOWEST_COLUMNS, row_id="rank", highlight="params.data.flag")
     assert isinstance(g, dag.AgGrid)
     assert g.defaultColDef["sortable"] and g.defaultColDef["filter"]
     assert g.getRowId == "params.data.rank"
@@ -198,7 +200,7 @@ def test_grids_are_sortable_filterable_ag_grids() -> None:
 def test_collective_rows() -> None:
     stats = figures.collective_stats(js.collectives("job", js.collective("all_reduce", "grads", range(3),
                                                                           transfer=0.002)))
-    (row,) = tables.collective_rows(stats)
+    (row,) = job_grids.collective_rows(stats)
     assert row["kind"] == "all_reduce/grads" and row["bits_per_param"] == 32.0
     assert row["bandwidth"] == 2.0 and row["wire_per_rank"] == "4 MB" and row["slowest_rank"] == 3
 
@@ -206,21 +208,21 @@ def test_collective_rows() -> None:
 def test_checkpoint_rows_say_why_invalid_and_which_restart_restored_each() -> None:
     c20, c40 = js.checkpoint(1, 20), js.checkpoint(2, 40, valid=False)
     restores = [(js.marker("restart", 45), c20), (js.marker("restart", 47), c20)]
-    rows = tables.checkpoint_rows([c20, c40], {"/ckpt/step-40": "sha256 mismatch"}, restores)
+    rows = job_grids.checkpoint_rows([c20, c40], {"/ckpt/step-40": "sha256 mismatch"}, restores)
     assert [(r["step"], r["valid"], r["why"], r["restored_by"]) for r in rows] == [
         (40, "NO", "sha256 mismatch", ""), (20, "yes", "", "restart 1, restart 2")]
     assert rows[1]["size"] == "2.5 MB"
 
 
 def test_event_rows() -> None:
-    rows = tables.event_rows(EventsPublic(data=[make_event(3, "fault_fired", "hang_rank: rank 1", "j", "node-2")],
+    rows = job_grids.event_rows(EventsPublic(data=[make_event(3, "fault_fired", "hang_rank: rank 1", "j", "node-2")],
                                           count=1))
     assert rows == [{"id": 3, "time": "2026-01-02 03:04:08", "kind": "fault_fired", "node": "node-2",
                      "message": "hang_rank: rank 1"}]
 
 
 def test_stack_comparison_shows_the_odd_rank_against_the_majority() -> None:
-    view = tables.stack_comparison(js.stacks(ranks=8, odd=1))
+    view = incident_views.stack_comparison(js.stacks(ranks=8, odd=1))
     groups = [c for c in _walk(view) if getattr(c, "className", None) == "vigil-stack-group"]
     assert [g.to_plotly_json()["props"]["data-ranks"] for g in groups] == ["0,2,3,4,5,6,7", "1"]
     assert "odd rank out: 1" in _text(view)
@@ -235,7 +237,7 @@ def test_stack_comparison_shows_the_odd_rank_against_the_majority() -> None:
 def test_incident_card_timeline_action_evidence_and_stacks() -> None:
     inc = js.incident(3, evidence={"idle_s": 31.5, "odd_ranks": [1], "stack_groups": [{"ranks": [0], "signature": "s"}]})
     fault = js.fault(1, fired_s=80)
-    card = tables.incident_card(inc, job_views.incident_phases(inc, fault), fault, js.stacks())
+    card = incident_views.incident_card(inc, job_views.incident_phases(inc, fault), fault, js.stacks())
     text = _text(card)
     assert card.id == "job-detail-incident-3"
     assert "fault 03:05:25 -> detected +20 s -> acted +2.0 s -> recovered +28 s" in text
@@ -245,25 +247,25 @@ def test_incident_card_timeline_action_evidence_and_stacks() -> None:
 
 
 def test_goodput_summary_shows_the_ettr() -> None:
-    view = tables.goodput_summary(js.goodput())
+    view = job_panels.goodput_summary(js.goodput())
     assert _by_id(view, "job-detail-ettr").children == "0.750"
     assert "productive 2 min of 3 min wall; 1 restart, 9 steps re-run" in _text(view)
     assert "restart: 20 s (10.0%)" in _text(_by_id(view, "job-detail-lost"))
-    assert "no goodput yet" in _text(tables.goodput_summary(None))
+    assert "no goodput yet" in _text(job_panels.goodput_summary(None))
 
 
 def test_marker_detail_and_rank_detail() -> None:
     m = js.marker("incident", 28, "hang detected", ref="3")
-    detail = tables.marker_detail([m.kind, m.step, m.label, m.ref, m.ts], js.incident(3, evidence={"idle_s": 20.0}))
+    detail = job_panels.marker_detail([m.kind, m.step, m.label, m.ref, m.ts], js.incident(3, evidence={"idle_s": 20.0}))
     assert "incident at step 28: " in _text(detail) and "idle_s" in _text(detail)
-    assert "click a marker" in _text(tables.marker_detail(None))
+    assert "click a marker" in _text(job_panels.marker_detail(None))
     ov = js.overview(steps=range(3))
-    assert "rank 5 on node-2: mean step 0.5 s, 5.00x the median rank" == _text(tables.rank_detail(5, ov.slowest_ranks[0]))
+    assert "rank 5 on node-2: mean step 0.5 s, 5.00x the median rank" == _text(job_panels.rank_detail(5, ov.slowest_ranks[0]))
 
 
 def test_more_formatters() -> None:
-    assert [tables.fmt_duration(s) for s in (None, 1.25, 45.0, 600.0, 3 * 3600 + 300.0)] == [
+    assert [fmt.fmt_duration(s) for s in (None, 1.25, 45.0, 600.0, 3 * 3600 + 300.0)] == [
         "–", "1.2 s", "45 s", "10 min", "3 h 05 min"]
-    assert [tables.fmt_bytes(n) for n in (None, 512, 1500, 2_250_000, 3.1e9)] == ["–", "512 B", "1.5 kB", "2.25 MB", "3.1 GB"]
-    assert tables.fmt_rank_list([7, 0, 1, 2, 3, 5, 8, 9]) == "0-3, 5, 7-9"
-    assert tables.fmt_rank_list(list(range(0, 100, 2)), limit=3) == "0, 2, 4, ... (50 ranks)"
+    assert [fmt.fmt_bytes(n) for n in (None, 512, 1500, 2_250_000, 3.1e9)] == ["–", "512 B", "1.5 kB", "2.25 MB", "3.1 GB"]
+    assert fmt.fmt_rank_list([7, 0, 1, 2, 3, 5, 8, 9]) == "0-3, 5, 7-9"
+    assert fmt.fmt_rank_list(list(range(0, 100, 2)), limit=3) == "0, 2, 4, ... (50 ranks)"
