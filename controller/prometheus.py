@@ -18,13 +18,14 @@ series summarise all ranks); at most ``MAX_KINDS`` kinds of collective per job a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.db import session_scope
@@ -84,6 +85,138 @@ def _histogram(name: str, doc: str, labels: list[str], values_by_labels: dict[tu
     return h
 
 
+def _job_counts(session: Session) -> GaugeMetricFamily:
+    """``vigil_jobs``: every job status, with its count (0 included)."""
+    counts = GaugeMetricFamily("vigil_jobs", "Jobs by status.", labels=["status"])
+    by_status = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+    for st in JobStatus:
+        counts.add_metric([st.value], float(by_status.get(st.value, 0)))
+    return counts
+
+
+def _latest_aggregate(session: Session, job_id: str) -> JobStepStat | None:
+    """The job's newest aggregated step (None: none yet)."""
+    return session.scalars(
+        select(JobStepStat).where(JobStepStat.job_id == job_id).order_by(JobStepStat.step.desc()).limit(1)
+    ).first()
+
+
+def _rank_values(session: Session, job_id: str, step: int, column: Any) -> list[float]:
+    """``column`` of ``rank_step_stats`` over every rank of (job, step) that has it."""
+    values = session.scalars(
+        select(column).where(RankStepStat.job_id == job_id, RankStepStat.step == step, column.is_not(None))
+    ).all()
+    return [float(v) for v in values if v is not None]
+
+
+def _slowest_ranks(session: Session, job_id: str, step: int, limit: int) -> Sequence[Row[Any]]:
+    """The ``limit`` slowest ranks of (job, step): rank, node, step time, comm, wait, wire bytes."""
+    return session.execute(
+        select(RankStepStat.rank, RankStepStat.node_id, RankStepStat.step_time_s, RankStepStat.comm_s,
+               RankStepStat.comm_wait_s, RankStepStat.wire_bytes)
+        .where(RankStepStat.job_id == job_id, RankStepStat.step == step)
+        .order_by(RankStepStat.step_time_s.desc(), RankStepStat.rank).limit(limit)
+    ).all()
+
+
+def _top_kinds(session: Session, job_id: str, step: int) -> Sequence[CollectiveStepStat]:
+    """The :data:`MAX_KINDS` kinds of collective of (job, step) with the largest max time."""
+    return session.scalars(
+        select(CollectiveStepStat).where(CollectiveStepStat.job_id == job_id, CollectiveStepStat.step == step)
+        .order_by(CollectiveStepStat.max_s.desc()).limit(MAX_KINDS)
+    ).all()
+
+
+@dataclass
+class _JobGauges:
+    """The gauge families of the active jobs' newest aggregated steps, filled job by job in one scrape."""
+
+    last_step: GaugeMetricFamily
+    agg_step: GaugeMetricFamily
+    loss: GaugeMetricFamily
+    st_p50: GaugeMetricFamily
+    st_max: GaugeMetricFamily
+    wait_max: GaugeMetricFamily
+    bits: GaugeMetricFamily
+    ranks: GaugeMetricFamily
+    r_time: GaugeMetricFamily
+    r_comm: GaugeMetricFamily
+    r_wait: GaugeMetricFamily
+    r_bits: GaugeMetricFamily
+    c_p50: GaugeMetricFamily
+    c_max: GaugeMetricFamily
+    c_wait: GaugeMetricFamily
+    c_bits: GaugeMetricFamily
+
+    @classmethod
+    def new(cls) -> _JobGauges:
+        job, rank, kind = ["job"], ["job", "rank", "node"], ["job", "op", "group", "tag"]
+        return cls(
+            last_step=GaugeMetricFamily("vigil_job_last_step", "Newest step reported by the job.", labels=job),
+            agg_step=GaugeMetricFamily("vigil_job_aggregated_step", "Newest aggregated step.", labels=job),
+            loss=GaugeMetricFamily("vigil_job_loss", "Mean training loss over ranks of the newest aggregated step.",
+                                   labels=job),
+            st_p50=GaugeMetricFamily("vigil_job_step_time_p50_seconds", "Median step time over ranks (newest step).",
+                                     labels=job),
+            st_max=GaugeMetricFamily("vigil_job_step_time_max_seconds", "Slowest rank's step time (newest step).",
+                                     labels=job),
+            wait_max=GaugeMetricFamily("vigil_job_comm_wait_max_seconds",
+                                       "Largest wait inside collectives of any rank (newest step).", labels=job),
+            bits=GaugeMetricFamily("vigil_job_wire_bits_per_step", "Bits all ranks put on the wire in the newest step.",
+                                   labels=job),
+            ranks=GaugeMetricFamily("vigil_job_ranks", "Ranks that reported the newest aggregated step.", labels=job),
+            r_time=GaugeMetricFamily("vigil_rank_step_time_seconds", "Step time of the slowest ranks (newest step).",
+                                     labels=rank),
+            r_comm=GaugeMetricFamily("vigil_rank_comm_seconds", "Time in collectives (newest step).", labels=rank),
+            r_wait=GaugeMetricFamily("vigil_rank_comm_wait_seconds", "Wait inside collectives (newest step).",
+                                     labels=rank),
+            r_bits=GaugeMetricFamily("vigil_rank_wire_bits", "Bits the rank put on the wire (newest step).",
+                                     labels=rank),
+            c_p50=GaugeMetricFamily("vigil_collective_p50_seconds",
+                                    "Median over ranks of time in this collective kind.", labels=kind),
+            c_max=GaugeMetricFamily("vigil_collective_max_seconds", "Slowest rank's time in this collective kind.",
+                                    labels=kind),
+            c_wait=GaugeMetricFamily("vigil_collective_wait_max_seconds", "Largest wait in this collective kind.",
+                                     labels=kind),
+            c_bits=GaugeMetricFamily("vigil_collective_wire_bits",
+                                     "Bits on the wire, all ranks, this kind, newest step.", labels=kind),
+        )
+
+    def families(self) -> tuple[GaugeMetricFamily, ...]:
+        """Every family, in export order."""
+        return (self.last_step, self.agg_step, self.loss, self.st_p50, self.st_max, self.wait_max, self.bits,
+                self.ranks, self.r_time, self.r_comm, self.r_wait, self.r_bits, self.c_p50, self.c_max, self.c_wait,
+                self.c_bits)
+
+    def add_step(self, jl: str, latest: JobStepStat) -> None:
+        """The job-wide figures of the job's newest aggregated step."""
+        self.agg_step.add_metric([jl], float(latest.step))
+        self.ranks.add_metric([jl], float(latest.ranks))
+        self.bits.add_metric([jl], 8.0 * latest.wire_bytes)
+        for g, v in ((self.loss, latest.loss_mean), (self.st_p50, latest.step_time_p50_s),
+                     (self.st_max, latest.step_time_max_s), (self.wait_max, latest.comm_wait_max_s)):
+            if v is not None:
+                g.add_metric([jl], float(v))
+
+    def add_ranks(self, jl: str, slow: Iterable[Row[Any]]) -> None:
+        """The slowest ranks' series (rows of :func:`_slowest_ranks`)."""
+        for r in slow:
+            labels = [jl, str(r.rank), _label(r.node_id)]
+            for g, v in ((self.r_time, r.step_time_s), (self.r_comm, r.comm_s), (self.r_wait, r.comm_wait_s)):
+                if v is not None:
+                    g.add_metric(labels, float(v))
+            self.r_bits.add_metric(labels, 8.0 * r.wire_bytes)
+
+    def add_kinds(self, jl: str, kinds: Iterable[CollectiveStepStat]) -> None:
+        """The collective kinds' series (:func:`_top_kinds`)."""
+        for k in kinds:
+            labels = [jl, _label(k.op), _label(k.group), _label(k.tag)]
+            self.c_p50.add_metric(labels, k.p50_s)
+            self.c_max.add_metric(labels, k.max_s)
+            self.c_wait.add_metric(labels, k.wait_max_s)
+            self.c_bits.add_metric(labels, 8.0 * k.wire_bytes)
+
+
 class VigilCollector(Collector):
     """Reads the current state on every scrape (see the module docstring for what and why)."""
 
@@ -104,100 +237,27 @@ class VigilCollector(Collector):
 
     # -- jobs -------------------------------------------------------------------------------------
     def _jobs(self, session: Session) -> Iterator[Metric]:
-        counts = GaugeMetricFamily("vigil_jobs", "Jobs by status.", labels=["status"])
-        by_status = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-        for st in JobStatus:
-            counts.add_metric([st.value], float(by_status.get(st.value, 0)))
-        yield counts
-
+        yield _job_counts(session)
         active = session.scalars(
             select(Job).where(Job.status.in_([JobStatus.PENDING.value, JobStatus.RUNNING.value]))
             .order_by(Job.created_at.desc()).limit(self.max_jobs)
         ).all()
-        last_step = GaugeMetricFamily("vigil_job_last_step", "Newest step reported by the job.", labels=["job"])
-        agg_step = GaugeMetricFamily("vigil_job_aggregated_step", "Newest aggregated step.", labels=["job"])
-        loss = GaugeMetricFamily("vigil_job_loss", "Mean training loss over ranks of the newest aggregated step.",
-                                 labels=["job"])
-        st_p50 = GaugeMetricFamily("vigil_job_step_time_p50_seconds", "Median step time over ranks (newest step).",
-                                   labels=["job"])
-        st_max = GaugeMetricFamily("vigil_job_step_time_max_seconds", "Slowest rank's step time (newest step).",
-                                   labels=["job"])
-        wait_max = GaugeMetricFamily("vigil_job_comm_wait_max_seconds",
-                                     "Largest wait inside collectives of any rank (newest step).", labels=["job"])
-        bits = GaugeMetricFamily("vigil_job_wire_bits_per_step", "Bits all ranks put on the wire in the newest step.",
-                                 labels=["job"])
-        ranks_g = GaugeMetricFamily("vigil_job_ranks", "Ranks that reported the newest aggregated step.",
-                                    labels=["job"])
-        r_time = GaugeMetricFamily("vigil_rank_step_time_seconds", "Step time of the slowest ranks (newest step).",
-                                   labels=["job", "rank", "node"])
-        r_comm = GaugeMetricFamily("vigil_rank_comm_seconds", "Time in collectives (newest step).",
-                                   labels=["job", "rank", "node"])
-        r_wait = GaugeMetricFamily("vigil_rank_comm_wait_seconds", "Wait inside collectives (newest step).",
-                                   labels=["job", "rank", "node"])
-        r_bits = GaugeMetricFamily("vigil_rank_wire_bits", "Bits the rank put on the wire (newest step).",
-                                   labels=["job", "rank", "node"])
-        c_p50 = GaugeMetricFamily("vigil_collective_p50_seconds", "Median over ranks of time in this collective kind.",
-                                  labels=["job", "op", "group", "tag"])
-        c_max = GaugeMetricFamily("vigil_collective_max_seconds", "Slowest rank's time in this collective kind.",
-                                  labels=["job", "op", "group", "tag"])
-        c_wait = GaugeMetricFamily("vigil_collective_wait_max_seconds", "Largest wait in this collective kind.",
-                                   labels=["job", "op", "group", "tag"])
-        c_bits = GaugeMetricFamily("vigil_collective_wire_bits", "Bits on the wire, all ranks, this kind, newest step.",
-                                   labels=["job", "op", "group", "tag"])
+        gauges = _JobGauges.new()
         step_hist: dict[tuple[str, ...], list[float]] = {}
         coll_hist: dict[tuple[str, ...], list[float]] = {}
         for job in active:
             jl = _label(job.id)
             if job.last_step is not None:
-                last_step.add_metric([jl], float(job.last_step))
-            latest = session.scalars(
-                select(JobStepStat).where(JobStepStat.job_id == job.id).order_by(JobStepStat.step.desc()).limit(1)
-            ).first()
+                gauges.last_step.add_metric([jl], float(job.last_step))
+            latest = _latest_aggregate(session, job.id)
             if latest is None:
                 continue
-            agg_step.add_metric([jl], float(latest.step))
-            ranks_g.add_metric([jl], float(latest.ranks))
-            bits.add_metric([jl], 8.0 * latest.wire_bytes)
-            for g, v in ((loss, latest.loss_mean), (st_p50, latest.step_time_p50_s), (st_max, latest.step_time_max_s),
-                         (wait_max, latest.comm_wait_max_s)):
-                if v is not None:
-                    g.add_metric([jl], float(v))
-            times = session.scalars(
-                select(RankStepStat.step_time_s).where(
-                    RankStepStat.job_id == job.id, RankStepStat.step == latest.step,
-                    RankStepStat.step_time_s.is_not(None))
-            ).all()
-            step_hist[(jl,)] = [float(t) for t in times if t is not None]
-            slow = session.execute(
-                select(RankStepStat.rank, RankStepStat.node_id, RankStepStat.step_time_s, RankStepStat.comm_s,
-                       RankStepStat.comm_wait_s, RankStepStat.wire_bytes)
-                .where(RankStepStat.job_id == job.id, RankStepStat.step == latest.step)
-                .order_by(RankStepStat.step_time_s.desc(), RankStepStat.rank).limit(self.max_ranks)
-            ).all()
-            for r in slow:
-                labels = [jl, str(r.rank), _label(r.node_id)]
-                for g, v in ((r_time, r.step_time_s), (r_comm, r.comm_s), (r_wait, r.comm_wait_s)):
-                    if v is not None:
-                        g.add_metric(labels, float(v))
-                r_bits.add_metric(labels, 8.0 * r.wire_bytes)
-            kinds = session.scalars(
-                select(CollectiveStepStat).where(
-                    CollectiveStepStat.job_id == job.id, CollectiveStepStat.step == latest.step)
-                .order_by(CollectiveStepStat.max_s.desc()).limit(MAX_KINDS)
-            ).all()
-            for k in kinds:
-                labels = [jl, _label(k.op), _label(k.group), _label(k.tag)]
-                c_p50.add_metric(labels, k.p50_s)
-                c_max.add_metric(labels, k.max_s)
-                c_wait.add_metric(labels, k.wait_max_s)
-                c_bits.add_metric(labels, 8.0 * k.wire_bytes)
-            comm = session.scalars(
-                select(RankStepStat.comm_s).where(
-                    RankStepStat.job_id == job.id, RankStepStat.step == latest.step, RankStepStat.comm_s.is_not(None))
-            ).all()
-            coll_hist[(jl,)] = [float(c) for c in comm if c is not None]
-        yield from (last_step, agg_step, loss, st_p50, st_max, wait_max, bits, ranks_g, r_time, r_comm, r_wait, r_bits,
-                    c_p50, c_max, c_wait, c_bits)
+            gauges.add_step(jl, latest)
+            step_hist[(jl,)] = _rank_values(session, job.id, latest.step, RankStepStat.step_time_s)
+            gauges.add_ranks(jl, _slowest_ranks(session, job.id, latest.step, self.max_ranks))
+            gauges.add_kinds(jl, _top_kinds(session, job.id, latest.step))
+            coll_hist[(jl,)] = _rank_values(session, job.id, latest.step, RankStepStat.comm_s)
+        yield from gauges.families()
         yield _histogram("vigil_job_rank_step_time_seconds", "Step time across the ranks of the newest step.",
                          ["job"], step_hist)
         yield _histogram("vigil_job_rank_comm_seconds", "Time in collectives across the ranks of the newest step.",
