@@ -10,7 +10,7 @@
   entered it, then each rank's place in its collectives, one row per rank (:func:`hang_collective_rows`,
   drawn by :func:`hang_collectives_view` above the hang's stacks).
 
-A module of its own only to keep :mod:`dashboard.figures` and :mod:`dashboard.tables` short; like them,
+A module of its own only to keep the figure and table modules short; like them,
 nothing here fetches data.
 """
 
@@ -49,7 +49,7 @@ def mark_estimated(label: str, estimated: bool) -> str:
 
 
 def estimated_tags(coll: JobCollectivesPublic | None) -> set[str]:
-    """The tags (tag, else op: as :func:`dashboard.figures.bits_per_element_by_tag` names its lines) of
+    """The tags (tag, else op: as :func:`dashboard.collective_figures.bits_per_element_by_tag` names its lines) of
     which some kind has estimated bytes."""
     return {c.tag or c.op for c in (coll.data if coll else []) if c.estimated}
 

@@ -109,7 +109,7 @@ def slowest_rank_rows(slowest: Sequence[RankSummary], straggler_ratio: float) ->
 
 
 def collective_rows(stats: Sequence[Any]) -> list[dict[str, Any]]:
-    """Rows of the collectives grid from :func:`dashboard.figures.collective_stats`."""
+    """Rows of the collectives grid from :func:`dashboard.collective_figures.collective_stats`."""
     return [
         {
             "kind": k.label,

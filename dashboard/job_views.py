@@ -37,7 +37,7 @@ from controller.schemas import (
     JobOverviewPublic,
     RankSummary,
 )
-from dashboard import figures
+from dashboard import plotting, rank_figures, training_figures
 
 MAX_DRAWN_POINTS = 4000
 """Past this many steps in the line figures, the next refresh rebuilds them from a (decimated) full fetch."""
@@ -82,7 +82,7 @@ class Cursor:
     slowest: list[int] = field(default_factory=list)
     """The slowest ranks (top-k), slowest first."""
     stragglers: list[int] = field(default_factory=list)
-    """Those of them at least :data:`figures.STRAGGLER_RATIO` x the median rank (highlighted)."""
+    """Those of them at least :data:`rank_figures.STRAGGLER_RATIO` x the median rank (highlighted)."""
     recent: list[list[float]] = field(default_factory=list)
     """``[step, ts]`` of the newest :data:`RECENT` steps."""
     tick: int = 0
@@ -106,7 +106,7 @@ def restart_count(markers: Iterable[JobMarker]) -> int:
     return sum(1 for m in markers if m.kind == "restart")
 
 
-def stragglers(slowest: Sequence[RankSummary], ratio: float = figures.STRAGGLER_RATIO) -> list[int]:
+def stragglers(slowest: Sequence[RankSummary], ratio: float = rank_figures.STRAGGLER_RATIO) -> list[int]:
     """Ranks of ``slowest`` at least ``ratio`` times slower than the median rank."""
     return [r.rank for r in slowest if r.vs_median >= ratio]
 
@@ -189,7 +189,7 @@ def _extend(p: Patch, trace: int, x: list[Any], y: list[Any], **more: list[Any])
 def overview_patches(ov: JobOverviewPublic, cursor: Cursor) -> tuple[Any, Any, Any]:
     """Patches of the loss, throughput and step-time bands figures drawn for ``cursor``, from the
     incremental answer ``ov``: the drawn steps still forming (``cursor.tail``) deleted, ``ov``'s steps
-    appended (the figures' trace order is fixed by :mod:`dashboard.figures`). The markers are redrawn
+    appended (the figures' trace order is fixed by :mod:`dashboard.training_figures`, :mod:`dashboard.rank_figures`). The markers are redrawn
     whole when their number changed (the overview returns all of them, whatever ``since_step``).
     Figures that do not change come back as ``dash.no_update``."""
     from dash import no_update
@@ -207,23 +207,23 @@ def overview_patches(ov: JobOverviewPublic, cursor: Cursor) -> tuple[Any, Any, A
         _drop_tail(bands, 0, tail)
         _drop_tail(bands, 1, tail)
         _drop_tail(bands, 2, tail, ("x", "y", "customdata"))
-        _extend(loss, 0, x, [figures.round_sig(v, 6) for v in ov.loss])
-        vx, vy = figures.val_points(ov)
+        _extend(loss, 0, x, [plotting.round_sig(v, 6) for v in ov.loss])
+        vx, vy = training_figures.val_points(ov)
         if vx:
-            _extend(loss, 1, vx, [figures.round_sig(v, 6) for v in vy])
+            _extend(loss, 1, vx, [plotting.round_sig(v, 6) for v in vy])
             loss["data"][1]["showlegend"] = True
-        _extend(tput, 0, x, [figures.round_sig(v) for v in ov.tokens_per_s])
+        _extend(tput, 0, x, [plotting.round_sig(v) for v in ov.tokens_per_s])
         _extend(tput, 1, x, list(ov.reporting))
-        _extend(bands, 0, x, [figures.round_sig(v) for v in ov.step_time_p50_s])
-        _extend(bands, 1, x, [figures.round_sig(v) for v in ov.step_time_p90_s])
-        _extend(bands, 2, x, [figures.round_sig(v) for v in ov.step_time_max_s], customdata=list(ov.slowest_rank))
-        bands["layout"]["title"]["text"] = figures.slowest_title(ov)
+        _extend(bands, 0, x, [plotting.round_sig(v) for v in ov.step_time_p50_s])
+        _extend(bands, 1, x, [plotting.round_sig(v) for v in ov.step_time_p90_s])
+        _extend(bands, 2, x, [plotting.round_sig(v) for v in ov.step_time_max_s], customdata=list(ov.slowest_rank))
+        bands["layout"]["title"]["text"] = rank_figures.slowest_title(ov)
     else:
         tput = bands = no_update
     if len(ov.markers) != cursor.markers:
         for i, kind in enumerate(MARKER_KINDS):
-            pts = figures.marker_points(ov.markers, kind)
-            trace = figures.MARKER_TRACE0 + i
+            pts = training_figures.marker_points(ov.markers, kind)
+            trace = training_figures.MARKER_TRACE0 + i
             for key, values in pts.items():
                 loss["data"][trace][key] = values
             loss["data"][trace]["showlegend"] = bool(pts["x"])
@@ -362,7 +362,7 @@ def cause_fault(inc: IncidentPublic, faults: Iterable[FaultPublic],
 
 
 def incident_phases(inc: IncidentPublic, fault: FaultPublic | None) -> dict[str, datetime]:
-    """When each phase of :data:`figures.PHASES` the incident reached happened (UTC)."""
+    """When each phase of :data:`dashboard.recovery_figures.PHASES` the incident reached happened (UTC)."""
     phases: dict[str, datetime] = {}
     if fault is not None and fault.fired_at is not None:
         phases["fault"] = _utc(fault.fired_at)

@@ -41,7 +41,16 @@ from dash import Input, Output, State, callback, ctx, dcc, html
 
 from controller.client import ApiError, VigilClient
 from controller.schemas import IncidentKind
-from dashboard import collectives_view, figures, job_views
+from dashboard import (
+    breakdown_figures,
+    collective_figures,
+    collectives_view,
+    job_views,
+    plotting,
+    rank_figures,
+    recovery_figures,
+    training_figures,
+)
 from dashboard.actions import job_actions_panel
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.incident_views import incident_card
@@ -94,7 +103,7 @@ _COL = {"flex": "1 1 520px", "minWidth": 0}
 
 
 def _graph(name: str, title: str, height: str | None = None) -> dcc.Graph:
-    return dcc.Graph(id=f"job-detail-{name}", figure=figures.empty_figure(title),
+    return dcc.Graph(id=f"job-detail-{name}", figure=plotting.empty_figure(title),
                      style={**_GRAPH_STYLE, **({"height": height} if height else {})}, config=_GRAPH_CONFIG)
 
 
@@ -248,8 +257,8 @@ def refresh_job(n: int, job_id: str | None, cursor_data: dict[str, Any] | None) 
         ranks=new.ranks or None,
     )
     if full:
-        loss, tput, bands = (figures.overview_loss_figure(ov), figures.overview_throughput_figure(ov),
-                             figures.step_time_bands_figure(ov))
+        loss, tput, bands = (training_figures.overview_loss_figure(ov), training_figures.overview_throughput_figure(ov),
+                             rank_figures.step_time_bands_figure(ov))
     else:
         assert cursor is not None
         loss, tput, bands = job_views.overview_patches(ov, cursor)
@@ -265,7 +274,7 @@ def refresh_job(n: int, job_id: str | None, cursor_data: dict[str, Any] | None) 
         loss,
         tput,
         bands,
-        slowest_rank_rows(ov.slowest_ranks, figures.STRAGGLER_RATIO),
+        slowest_rank_rows(ov.slowest_ranks, rank_figures.STRAGGLER_RATIO),
     )
 
 
@@ -299,22 +308,22 @@ def _ranks_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | Non
     if ticking and cursor.ranks > HEATMAP_BIG_JOB and cursor.tick % SLOW_REFRESH_EVERY:
         heat = dash.no_update
     else:
-        heat = figures.binned_heatmap_figure(
+        heat = rank_figures.binned_heatmap_figure(
             client.job_heatmap(job_id, max_ranks=HEATMAP_RANKS, max_steps=HEATMAP_STEPS), hot)
     since = _window_start(cursor)
-    if 0 < cursor.ranks <= figures.LINES_MAX_RANKS:
+    if 0 < cursor.ranks <= rank_figures.LINES_MAX_RANKS:
         steps = client.job_steps(job_id, since_step=since, max_points=WINDOW_STEPS,
-                                 max_ranks=figures.LINES_MAX_RANKS)
-        lines, box = figures.rank_lines_figure(steps, hot), {"display": "block"}
+                                 max_ranks=rank_figures.LINES_MAX_RANKS)
+        lines, box = rank_figures.rank_lines_figure(steps, hot), {"display": "block"}
     else:
         steps, lines, box = None, dash.no_update, {"display": "none"}
     info = rank_detail(None)
-    breakdown = figures.empty_figure("Step breakdown of the selected rank", "click a rank to see its breakdown")
+    breakdown = plotting.empty_figure("Step breakdown of the selected rank", "click a rank to see its breakdown")
     if rank is not None:
         own = client.job_steps(job_id, since_step=since, ranks=[rank], max_points=WINDOW_STEPS, max_ranks=1)
         node = own.data[0].node_id if own.data else None
         info = rank_detail(rank, None, node)
-        breakdown = figures.breakdown_step_figure(own, rank)
+        breakdown = breakdown_figures.breakdown_step_figure(own, rank)
     return [heat, lines, box, breakdown, info]
 
 
@@ -323,14 +332,14 @@ def _breakdown_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int |
     steps = client.job_steps(job_id, since_step=_window_start(cursor), ranks=sample, max_points=WINDOW_STEPS,
                              max_ranks=job_views.SAMPLE_RANKS + 1)
     sampled = len(steps.data) if sample is not None else None
-    return [figures.breakdown_step_figure(steps, rank, sampled), figures.breakdown_rank_figure(steps, cursor.stragglers)]
+    return [breakdown_figures.breakdown_step_figure(steps, rank, sampled), breakdown_figures.breakdown_rank_figure(steps, cursor.stragglers)]
 
 
 def _communication_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | None) -> list[Any]:
     coll = client.job_collectives(job_id, since_step=_window_start(cursor), max_points=WINDOW_STEPS)
-    stats = figures.collective_stats(coll)
-    return [figures.collective_time_figure(stats, job_id), figures.collective_wait_figure(stats, job_id),
-            figures.collective_bandwidth_figure(stats, job_id), figures.bits_per_element_figure(coll),
+    stats = collective_figures.collective_stats(coll)
+    return [collective_figures.collective_time_figure(stats, job_id), collective_figures.collective_wait_figure(stats, job_id),
+            collective_figures.collective_bandwidth_figure(stats, job_id), collective_figures.bits_per_element_figure(coll),
             collective_rows(stats), collectives_view.estimated_note(coll)]
 
 
@@ -349,7 +358,7 @@ def _incidents_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int |
         where = collectives_view.hang_collectives_view(inc.evidence, f"job-detail-hang-collectives-{inc.id}")
         cards.append(incident_card(inc, phases, fault, stacks if inc.id == newest_hang else None, where))
     body = list(reversed(cards)) or [html.Div("no incidents", style={"color": "#888"})]
-    return [figures.incident_timeline_figure(timelines), body]
+    return [recovery_figures.incident_timeline_figure(timelines), body]
 
 
 def _checkpoints_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | None) -> list[Any]:
@@ -358,12 +367,12 @@ def _checkpoints_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int
     markers = client.job_overview(job_id, since_step=job_views.since_step(cursor), top_k=1).markers
     restores = job_views.restores(markers, ckpts, events)
     reasons = job_views.invalid_reasons(events)
-    return [figures.checkpoint_figure(ckpts, restores, job_id), checkpoint_rows(ckpts, reasons, restores)]
+    return [recovery_figures.checkpoint_figure(ckpts, restores, job_id), checkpoint_rows(ckpts, reasons, restores)]
 
 
 def _goodput_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | None) -> list[Any]:
     gp = client.job_goodput(job_id)
-    return [goodput_summary(gp), figures.goodput_figure(gp)]
+    return [goodput_summary(gp), recovery_figures.goodput_figure(gp)]
 
 
 def _events_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | None) -> list[Any]:

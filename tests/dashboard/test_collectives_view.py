@@ -13,8 +13,8 @@ import plotly.graph_objects as go
 import pytest
 
 from controller.schemas import CAPTURED_TAG
+from dashboard import collective_figures, incident_views, job_grids, job_panels, job_views, plotting
 from dashboard import collectives_view as cv
-from dashboard import figures, incident_views, job_grids, job_panels, job_views
 from dashboard import format as fmt
 from tests.dashboard import job_samples as js
 
@@ -55,16 +55,16 @@ def test_mark_estimated() -> None:
 def test_estimated_kinds_are_marked_in_every_figure_and_the_grid() -> None:
     coll = js.collectives("job", js.collective("all_gather", "weights", range(3)),
                           _torch(p50=0.05), _torch("broadcast", group="pg1", p50=0.001))
-    stats = figures.collective_stats(coll)
+    stats = collective_figures.collective_stats(coll)
     assert [k.estimated for k in stats] == [True, False, True]
     labels = ["all_reduce/torch (est.)", "all_gather/weights", "broadcast/torch [pg1] (est.)"]
     assert [k.label for k in stats] == labels
-    for fig in (figures.collective_time_figure(stats), figures.collective_wait_figure(stats),
-                figures.collective_bandwidth_figure(stats)):
+    for fig in (collective_figures.collective_time_figure(stats), collective_figures.collective_wait_figure(stats),
+                collective_figures.collective_bandwidth_figure(stats)):
         assert all(list(t.x) == labels for t in fig.data), fig.layout.title.text
-    bits = figures.bits_per_element_figure(coll)
+    bits = collective_figures.bits_per_element_figure(coll)
     assert [t.name for t in bits.data] == ["torch (est.)", "weights"]  # the legend
-    only = figures.bits_per_element_figure(js.collectives("job", _torch()))
+    only = collective_figures.bits_per_element_figure(js.collectives("job", _torch()))
     assert [t.name for t in only.data] == ["torch (est.)"] and only.layout.showlegend  # a lone line is named too
     assert [r["kind"] for r in job_grids.collective_rows(stats)] == labels
 
@@ -81,15 +81,15 @@ def test_the_note_shows_only_when_a_kind_is_estimated() -> None:
 
 def test_a_job_whose_only_collectives_are_torchs_is_not_waiting_for_data() -> None:
     coll = js.collectives("job", _torch(), _torch("broadcast", steps=range(1)))
-    stats = figures.collective_stats(coll)
-    figs = [figures.collective_time_figure(stats), figures.collective_wait_figure(stats),
-            figures.collective_bandwidth_figure(stats), figures.bits_per_element_figure(coll)]
-    assert all(len(f.data) > 0 and figures.WAITING_TEXT not in _annotations(f) for f in figs)
+    stats = collective_figures.collective_stats(coll)
+    figs = [collective_figures.collective_time_figure(stats), collective_figures.collective_wait_figure(stats),
+            collective_figures.collective_bandwidth_figure(stats), collective_figures.bits_per_element_figure(coll)]
+    assert all(len(f.data) > 0 and plotting.WAITING_TEXT not in _annotations(f) for f in figs)
     assert len(job_grids.collective_rows(stats)) == 2
     # Estimates without a transfer time or an element count are still data, said as such.
     bare = js.collectives("job", _torch(transfer=0.0, elements_per_rank=0))
-    bw = figures.collective_bandwidth_figure(figures.collective_stats(bare))
-    bits = figures.bits_per_element_figure(bare)
+    bw = collective_figures.collective_bandwidth_figure(collective_figures.collective_stats(bare))
+    bits = collective_figures.bits_per_element_figure(bare)
     assert _annotations(bw) == ["no transfer time measured"] and _annotations(bits) == ["no parameter counts reported"]
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from dashboard.collectives_view import ESTIMATED_NOTE
-from dashboard.figures import WAITING_TEXT
+from dashboard.plotting import WAITING_TEXT
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
 from tests.dashboard.job_seed import (

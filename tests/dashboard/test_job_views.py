@@ -16,7 +16,7 @@ import pytest
 from dash import Patch
 
 from controller.schemas import EventPublic, FaultKind, FaultStatus, IncidentStatus
-from dashboard import figures, job_views
+from dashboard import job_views, rank_figures, training_figures
 from dashboard.job_views import Cursor
 from tests.dashboard import job_samples as js
 
@@ -57,13 +57,13 @@ def test_patches_extend_the_figures_to_what_a_full_rebuild_draws() -> None:
     loss_p, tput_p, bands_p = job_views.overview_patches(newer, cursor)
 
     whole = js.overview(steps=range(15), val_every=4, markers=more_markers)
-    for build, patch in ((figures.overview_loss_figure, loss_p), (figures.overview_throughput_figure, tput_p),
-                         (figures.step_time_bands_figure, bands_p)):
+    for build, patch in ((training_figures.overview_loss_figure, loss_p), (training_figures.overview_throughput_figure, tput_p),
+                         (rank_figures.step_time_bands_figure, bands_p)):
         patched = _apply(build(first).to_plotly_json(), patch)
         expected = build(whole).to_plotly_json()
         assert _traces(patched, "x", "y", "customdata") == _traces(expected, "x", "y", "customdata"), build.__name__
-    loss = _apply(figures.overview_loss_figure(first).to_plotly_json(), loss_p)
-    incident = loss["data"][figures.MARKER_TRACE0 + 2]
+    loss = _apply(training_figures.overview_loss_figure(first).to_plotly_json(), loss_p)
+    incident = loss["data"][training_figures.MARKER_TRACE0 + 2]
     assert incident["name"] == "incident" and incident["x"] == [12] and incident["showlegend"] is True
     assert loss["data"][1]["x"] == [0, 4, 8, 12]  # validation points appended
 
@@ -81,8 +81,8 @@ def test_steps_still_forming_are_drawn_again_once_complete() -> None:
     assert not job_views.needs_rebuild(cursor, newer)
     patches = job_views.overview_patches(newer, cursor)
     whole = js.overview(steps=range(15), val_every=4, forming=1)
-    for build, patch in zip((figures.overview_loss_figure, figures.overview_throughput_figure,
-                             figures.step_time_bands_figure), patches, strict=True):
+    for build, patch in zip((training_figures.overview_loss_figure, training_figures.overview_throughput_figure,
+                             rank_figures.step_time_bands_figure), patches, strict=True):
         patched = _apply(build(first).to_plotly_json(), patch)
         assert _traces(patched, "x", "y", "customdata") == _traces(build(whole).to_plotly_json(), "x", "y",
                                                                    "customdata"), build.__name__
@@ -108,7 +108,7 @@ def test_new_markers_alone_patch_only_the_loss_markers() -> None:
     loss, tput, bands = job_views.overview_patches(js.overview(steps=range(0), markers=[js.marker("fault", 9)]), cursor)
     assert isinstance(loss, Patch) and tput is dash.no_update and bands is dash.no_update
     ops = loss.to_plotly_json()["operations"]
-    assert {"operation": "Assign", "location": ["data", figures.MARKER_TRACE0 + 4, "x"], "params": {"value": [9]}} in ops
+    assert {"operation": "Assign", "location": ["data", training_figures.MARKER_TRACE0 + 4, "x"], "params": {"value": [9]}} in ops
 
 
 def test_rebuild_on_first_load_after_a_restart_or_when_too_long() -> None:

@@ -23,7 +23,15 @@ from controller.schemas import (
     NodeState,
     RankProcess,
 )
-from dashboard import figures, incident_views, job_grids, job_panels, job_views, tables
+from dashboard import (
+    collective_figures,
+    incident_views,
+    job_grids,
+    job_panels,
+    job_views,
+    rank_figures,
+    tables,
+)
 from dashboard import format as fmt
 from tests.dashboard import job_samples as js
 from tests.dashboard.samples import make_event, make_job, make_node
@@ -183,7 +191,7 @@ def test_job_header_progress_eta_restarts_and_the_incident_under_way() -> None:
 
 def test_slowest_rank_rows_flag_the_straggler() -> None:
     ov = js.overview(steps=range(5), slow=5)
-    rows = job_grids.slowest_rank_rows(ov.slowest_ranks, figures.STRAGGLER_RATIO)
+    rows = job_grids.slowest_rank_rows(ov.slowest_ranks, rank_figures.STRAGGLER_RATIO)
     assert [(r["rank"], r["vs_median"], r["flag"]) for r in rows] == [(5, 5.0, "straggler"), (0, 1.0, ""), (1, 1.0, "")]
     assert rows[0]["node_id"] == "node-2"
 
@@ -198,7 +206,7 @@ def test_grids_are_sortable_filterable_ag_grids() -> None:
 
 
 def test_collective_rows() -> None:
-    stats = figures.collective_stats(js.collectives("job", js.collective("all_reduce", "grads", range(3),
+    stats = collective_figures.collective_stats(js.collectives("job", js.collective("all_reduce", "grads", range(3),
                                                                           transfer=0.002)))
     (row,) = job_grids.collective_rows(stats)
     assert row["kind"] == "all_reduce/grads" and row["bits_per_param"] == 32.0
