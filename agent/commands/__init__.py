@@ -28,7 +28,8 @@ The package, by seam:
 - :mod:`~agent.commands.runner` - :class:`CommandRunner` and :class:`CommandLoop`.
 - :mod:`~agent.commands.executor` - :class:`CommandExecutor`: dispatch, timeouts, the pid rule and
   the process kinds; :mod:`~agent.commands.files`, :mod:`~agent.commands.stacks` and
-  :mod:`~agent.commands.node` hold the other kinds.
+  :mod:`~agent.commands.node` hold the other kinds; :mod:`~agent.commands.config` - what they all know
+  of the node (:class:`ExecutorConfig`).
 - :mod:`~agent.commands.args` - each kind's argument model; :mod:`~agent.commands.errors` - how a
   failure becomes an answer.
 - :mod:`~agent.commands.pids`, :mod:`~agent.commands.raylet`, :mod:`~agent.commands.throttle` -
@@ -37,7 +38,8 @@ The package, by seam:
 This package must never import torch, ray or the trainer.
 """
 
-from agent.commands.executor import CommandExecutor, ExecutorConfig
+from agent.commands.config import ExecutorConfig
+from agent.commands.executor import CommandExecutor
 from agent.commands.files import CORRUPTION
 from agent.commands.pids import live_process
 from agent.commands.runner import CommandLoop, CommandRunner

@@ -1,4 +1,5 @@
-"""What each command kind does: :class:`ExecutorConfig` and :class:`CommandExecutor`.
+"""What each command kind does: :class:`CommandExecutor` (its :class:`~agent.commands.config.ExecutorConfig` is
+in :mod:`agent.commands.config`).
 
 The executor owns dispatch (a failure is an answer, never an exception), each kind's timeout, the
 pid rule (which processes the controller may act on) and the process kinds (kill, stop, continue,
@@ -14,14 +15,13 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 
 from agent import netfaults
 from agent.commands.args import KillArgs, PidArgs, ThrottleArgs, _validate
+from agent.commands.config import ExecutorConfig
 from agent.commands.errors import CommandError, _fit
 from agent.commands.files import FileKinds
 from agent.commands.node import NodeKinds
@@ -41,40 +41,6 @@ from agent.commands.throttle import Throttle
 from controller.schemas import CommandKind, CommandResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ExecutorConfig:
-    """What the commands need to know about this node (from :class:`agent.main.AgentConfig`)."""
-
-    #: The node's name as its raylet knows it (``--node-name``) or its Ray node id.
-    node_id: str
-    #: Node-local runtime folder: fault files go to ``<run_dir>/faults/...``.
-    run_dir: Path
-    #: ``corrupt_files`` only touches files under this folder (resolved).
-    storage_root: Path
-    #: Fallbacks when the raylet or ``ray start`` cannot be found by command line.
-    raylet_pid: int | None = None
-    ray_start_pid: int | None = None
-    #: This node's Ray cluster (GCS ``host:port``): only a raylet of that cluster is this node's (two clusters
-    #: on one host may name nodes alike). None: any raylet naming the node.
-    ray_gcs_address: str | None = None
-    #: argv that (re)joins this node to the cluster (``start_raylet``); None: readmission unsupported.
-    ray_join_cmd: list[str] | None = None
-    #: The ranks' group when they run as another user than the agent: a job's fault folder is theirs to
-    #: write (a rank renames its fault file to ``.fired`` before acting on it).
-    rank_group: int | None = None
-    #: Longest one ``py-spy dump`` may take.
-    pyspy_timeout_s: float = 10.0
-    #: ``stop_raylet``: seconds between SIGTERM and SIGKILL.
-    raylet_stop_grace_s: float = 5.0
-    #: ``start_raylet``: how long to wait for the raylet to show up.
-    raylet_start_wait_s: float = 60.0
-    #: Timeout of every kind without its own.
-    default_timeout_s: float = 30.0
-    pyspy_workers: int = 4
-    #: ``py-spy`` binary; default: next to ``sys.executable`` (the venv), else on PATH.
-    pyspy_path: str | None = None
 
 
 Handler = Callable[[Mapping[str, Any]], CommandResult]

@@ -12,16 +12,14 @@ import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agent.commands.args import CorruptArgs, FaultFileArgs, _validate
+from agent.commands.config import ExecutorConfig
 from agent.commands.errors import CommandError
 from controller.checkpoint_layout import MANIFEST_FILE, newest_complete
 from controller.schemas import CommandResult
 from controller.settings import FAULT_FIRED_SUFFIX, fault_file_path
-
-if TYPE_CHECKING:
-    from agent.commands.executor import ExecutorConfig
 
 #: ``corrupt_files`` leaves files whose name contains this alone (the checkpoint's manifest).
 MANIFEST_MARKER = "manifest"

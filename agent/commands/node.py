@@ -11,18 +11,16 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
 from agent import netfaults
+from agent.commands.config import ExecutorConfig
 from agent.commands.errors import CommandError, _fit
 from agent.commands.pids import _child_env, _descendants, _gone, _session_members, _wait_gone, protected_pids
 from agent.commands.raylet import RayletLocator
 from controller.schemas import CommandResult
-
-if TYPE_CHECKING:
-    from agent.commands.executor import ExecutorConfig
 
 
 def _parents(p: psutil.Process) -> list[psutil.Process]:

@@ -11,17 +11,15 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
 from agent.commands.args import PyspyArgs, _validate
+from agent.commands.config import ExecutorConfig
 from agent.commands.errors import CommandError, _fit
 from agent.commands.pids import _STOPPED_STATES, _child_env, _state
 from controller.schemas import CommandResult
-
-if TYPE_CHECKING:
-    from agent.commands.executor import ExecutorConfig
 
 #: Longest stack text kept per rank (a process with thousands of threads stays postable).
 MAX_STACK_CHARS = 256 * 1024
