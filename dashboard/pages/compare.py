@@ -2,7 +2,7 @@
 
 Pick jobs in the multi-select (or open ``/compare?jobs=a,b``); each job's curve is labelled
 ``name (optimizer)``. Per-step loss, time and wire bytes come from the job overview
-(``GET /jobs/{id}/overview``); bits sent are the cumulative wire bytes x 8 (:func:`dashboard.fleet.cumulative_bits`).
+(``GET /jobs/{id}/overview``); bits sent are the cumulative wire bytes x 8 (:func:`dashboard.compare_views.cumulative_bits`).
 ``compare-link`` is a link to the current selection. Component ids start with ``compare-``.
 """
 
@@ -17,7 +17,7 @@ from dash import Input, Output, callback, dcc, html
 
 from controller.client import ApiError
 from controller.schemas import JobOverviewPublic, JobPublic
-from dashboard import fleet
+from dashboard import compare_views, plotting
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.tables import error_banner
 
@@ -30,16 +30,16 @@ OVERVIEW_POINTS = 5000
 _GRAPH_STYLE = {"height": "420px"}
 _GRAPH_CONFIG = {"displaylogo": False}
 GRAPH_IDS = ("compare-loss-step", "compare-loss-time", "compare-loss-bits")
-"""One per :data:`dashboard.fleet.COMPARE_AXES`, in order."""
+"""One per :data:`dashboard.compare_views.COMPARE_AXES`, in order."""
 
 
 def layout(jobs: str | None = None, **kwargs: Any) -> html.Div:
     """The picker (preselected from ``?jobs=``) and the three figures; :func:`refresh_compare` fills them."""
-    selected = fleet.parse_job_ids(jobs)
+    selected = compare_views.parse_job_ids(jobs)
     graphs = [
-        dbc.Col(dcc.Graph(id=gid, figure=fleet.empty_figure(title, "pick jobs to compare"), style=_GRAPH_STYLE,
+        dbc.Col(dcc.Graph(id=gid, figure=plotting.empty_figure(title, "pick jobs to compare"), style=_GRAPH_STYLE,
                           config=_GRAPH_CONFIG), lg=4, md=12)
-        for gid, (_, title, _) in zip(GRAPH_IDS, fleet.COMPARE_AXES, strict=True)
+        for gid, (_, title, _) in zip(GRAPH_IDS, compare_views.COMPARE_AXES, strict=True)
     ]
     return html.Div(
         [
@@ -69,7 +69,7 @@ def layout(jobs: str | None = None, **kwargs: Any) -> html.Div:
 
 
 def _option(job: JobPublic) -> dict[str, str]:
-    return {"label": f"{fleet.job_label(job)} · {job.id} · {job.status.value}", "value": job.id}
+    return {"label": f"{compare_views.job_label(job)} · {job.id} · {job.status.value}", "value": job.id}
 
 
 @callback(
@@ -82,7 +82,7 @@ def _option(job: JobPublic) -> dict[str, str]:
 )
 def refresh_compare(_n: int, selected: list[str] | str | None) -> tuple[Any, ...]:
     cfg = current_config()
-    ids = fleet.parse_job_ids(selected)
+    ids = compare_views.parse_job_ids(selected)
     link = f"{cfg.prefix}compare" + (f"?jobs={quote(','.join(ids), safe=',')}" if ids else "")
     entries: list[tuple[JobPublic, JobOverviewPublic | None]] = []
     problems: list[str] = []
@@ -108,6 +108,6 @@ def refresh_compare(_n: int, selected: list[str] | str | None) -> tuple[Any, ...
         return (keep, keep, keep, keep, link, error_banner(describe_error(exc), "compare-error-text"))
     # The picker offers the listed jobs, and keeps any selected one that is older than the list.
     options = [_option(j) for j in listed] + [_option(j) for j, _ in entries if j.id not in {x.id for x in listed}]
-    figures = fleet.compare_figures(fleet.compare_traces(entries))
+    figures = compare_views.compare_figures(compare_views.compare_traces(entries))
     error = error_banner("; ".join(problems), "compare-error-text") if problems else None
     return (options, *figures, link, error)

@@ -2,7 +2,7 @@
 
 Figures (CPU / memory / disk, load, network rx/tx, NIC errors and drops, and GPUs when the node has
 them) come from the node's history (``GET /nodes/{id}/history``); state, ranks and heartbeat from the
-node list; incidents from ``GET /incidents`` filtered to the node. Builders in :mod:`dashboard.fleet`;
+node list; incidents from ``GET /incidents`` filtered to the node. Builders in :mod:`dashboard.node_views`;
 actions in :mod:`dashboard.actions` (``actions-node-*``). Component ids start with ``node-detail-``.
 A node the controller does not know shows "node not found".
 """
@@ -14,7 +14,7 @@ from typing import Any
 import dash
 from dash import Input, Output, State, callback, dcc, html
 
-from dashboard import fleet
+from dashboard import node_views, plotting
 from dashboard.actions import node_actions_panel
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.tables import error_banner
@@ -35,17 +35,17 @@ NOT_FOUND_TEXT = "node not found"
 _GRAPH_STYLE = {"height": "320px"}
 _GRAPH_CONFIG = {"displaylogo": False}
 GRAPHS = (
-    ("util", "CPU, memory, disk", fleet.node_utilisation_figure),
-    ("load", "Load average", fleet.node_load_figure),
-    ("net", "Network", fleet.node_network_figure),
-    ("nic-errors", "NIC errors and drops", fleet.node_nic_errors_figure),
-    ("gpu", "GPUs", fleet.node_gpu_figure),
+    ("util", "CPU, memory, disk", node_views.node_utilisation_figure),
+    ("load", "Load average", node_views.node_load_figure),
+    ("net", "Network", node_views.node_network_figure),
+    ("nic-errors", "NIC errors and drops", node_views.node_nic_errors_figure),
+    ("gpu", "GPUs", node_views.node_gpu_figure),
 )
 """(id suffix, title, builder) of the page's figures, in order."""
 
 
 def _graph(name: str, title: str) -> dcc.Graph:
-    return dcc.Graph(id=f"node-detail-{name}", figure=fleet.empty_figure(title), style=_GRAPH_STYLE,
+    return dcc.Graph(id=f"node-detail-{name}", figure=plotting.empty_figure(title), style=_GRAPH_STYLE,
                      config=_GRAPH_CONFIG)
 
 
@@ -122,16 +122,16 @@ def refresh_node(_n: int, node_id: str | None) -> tuple[Any, ...]:
         gpu_style: Any = dash.no_update
     else:
         figures = [build(history) for _, _, build in GRAPHS]
-        gpu_style = {"display": "block"} if fleet.history_has_gpu(history) else {"display": "none"}
+        gpu_style = {"display": "block"} if node_views.history_has_gpu(history) else {"display": "none"}
     error = error_banner("; ".join(errors), "node-detail-error-text") if errors else None
     return (
-        fleet.node_facts(node),
+        node_views.node_facts(node),
         error,
         {"display": "block"},
         False,
         *figures,
         gpu_style,
-        fleet.ranks_table(node.ranks, cfg.prefix),
-        fleet.incidents_table(incidents, cfg.prefix) if incidents is not None else dash.no_update,
+        node_views.ranks_table(node.ranks, cfg.prefix),
+        node_views.incidents_table(incidents, cfg.prefix) if incidents is not None else dash.no_update,
     )
 

@@ -1,6 +1,6 @@
 """The compare page (``/compare``): loss against step, wall time and bits sent, one trace per job.
 
-Unit tests of :mod:`dashboard.fleet`'s compare builders on :class:`JobOverviewPublic` objects (the
+Unit tests of :mod:`dashboard.compare_views`' builders on :class:`JobOverviewPublic` objects (the
 cumulative bits, the labels, the three figures), then the page in a real Chromium against the REAL
 controller (``dashboard_site``), whose overview endpoint computes the per-step loss and wire bytes from
 the steps and collective calls posted through ``POST /api/v1/telemetry``.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from controller.schemas import CollectiveSample, JobOverviewPublic, JobStatus
-from dashboard import fleet
+from dashboard import compare_views
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
 from tests.dashboard.samples import make_job
@@ -34,32 +34,32 @@ def overview(job_id: str, steps: list[int], wire: list[int], loss: list[float | 
 
 
 def test_cumulative_bits_and_elapsed_time() -> None:
-    assert fleet.cumulative_bits([0, 1, 2], [100, 100, 50]) == [800.0, 1600.0, 2000.0]
+    assert compare_views.cumulative_bits([0, 1, 2], [100, 100, 50]) == [800.0, 1600.0, 2000.0]
     # A thinned series: each point stands for the steps since the previous one.
-    assert fleet.cumulative_bits([0, 10, 20], [100, 100, 100]) == [800.0, 8800.0, 16800.0]
-    assert fleet.cumulative_bits([], []) == []
-    assert fleet.elapsed_s([100.0, 101.5, 104.0]) == [0.0, 1.5, 4.0]
-    assert fleet.elapsed_s([]) == []
+    assert compare_views.cumulative_bits([0, 10, 20], [100, 100, 100]) == [800.0, 8800.0, 16800.0]
+    assert compare_views.cumulative_bits([], []) == []
+    assert compare_views.elapsed_s([100.0, 101.5, 104.0]) == [0.0, 1.5, 4.0]
+    assert compare_views.elapsed_s([]) == []
 
 
 def test_parse_job_ids() -> None:
-    assert fleet.parse_job_ids("a,b, a,,c ") == ["a", "b", "c"]
-    assert fleet.parse_job_ids(["x", "x", "y"]) == ["x", "y"]
-    assert fleet.parse_job_ids(None) == [] and fleet.parse_job_ids("") == []
-    assert len(fleet.parse_job_ids(",".join(f"j{i}" for i in range(20)))) == fleet.MAX_COMPARED_JOBS
+    assert compare_views.parse_job_ids("a,b, a,,c ") == ["a", "b", "c"]
+    assert compare_views.parse_job_ids(["x", "x", "y"]) == ["x", "y"]
+    assert compare_views.parse_job_ids(None) == [] and compare_views.parse_job_ids("") == []
+    assert len(compare_views.parse_job_ids(",".join(f"j{i}" for i in range(20)))) == compare_views.MAX_COMPARED_JOBS
 
 
 def test_one_trace_per_job_in_each_figure_labelled_name_and_optimizer() -> None:
     dsm = make_job("job-1", "gpt-small", optimizer="dsm")
     adamw = make_job("job-2", "gpt-small", optimizer="adamw")
     pending = make_job("job-3", "later", JobStatus.PENDING, optimizer="adamw")
-    traces = fleet.compare_traces([
+    traces = compare_views.compare_traces([
         (dsm, overview("job-1", [0, 1, 2], [1000, 1000, 1000], loss=[4.0, None, 3.0])),
         (adamw, overview("job-2", [0, 1], [8000, 8000], t0=1.8e9)),
         (pending, None),
     ])
     assert [t.label for t in traces] == ["gpt-small (dsm)", "gpt-small (adamw)", "later (adamw)"]
-    step_fig, time_fig, bits_fig = fleet.compare_figures(traces)
+    step_fig, time_fig, bits_fig = compare_views.compare_figures(traces)
     for fig in (step_fig, time_fig, bits_fig):
         assert [t.name for t in fig.data] == ["gpt-small (dsm)", "gpt-small (adamw)"]  # no data, no trace
         assert list(fig.data[0].y) == [4.0, None, 3.0]  # a non-finite loss is a gap
@@ -75,15 +75,15 @@ def test_one_trace_per_job_in_each_figure_labelled_name_and_optimizer() -> None:
 
 def test_clashing_labels_get_the_job_id_and_empty_states_say_why() -> None:
     a, b = make_job("job-a", "run", optimizer="dsm"), make_job("job-b", "run", optimizer="dsm")
-    traces = fleet.compare_traces([(a, overview("job-a", [0], [0])), (b, overview("job-b", [0], [0]))])
+    traces = compare_views.compare_traces([(a, overview("job-a", [0], [0])), (b, overview("job-b", [0], [0]))])
     assert [t.label for t in traces] == ["run (dsm) job-a", "run (dsm) job-b"]
-    bits = fleet.compare_figures(traces)[2]
+    bits = compare_views.compare_figures(traces)[2]
     assert [a.text for a in bits.layout.annotations] == ["no collective traffic reported"]
 
-    nothing = fleet.compare_figures([])
+    nothing = compare_views.compare_figures([])
     assert all(f.data == () for f in nothing)
     assert [a.text for a in nothing[0].layout.annotations] == ["pick jobs to compare"]
-    waiting = fleet.compare_figures(fleet.compare_traces([(a, None)]))
+    waiting = compare_views.compare_figures(compare_views.compare_traces([(a, None)]))
     assert [a.text for a in waiting[1].layout.annotations] == ["waiting for data"]
 
 

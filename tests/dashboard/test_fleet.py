@@ -1,7 +1,8 @@
 """The fleet view (``/nodes``) and the node page (``/nodes/<id>``).
 
-Unit tests of :mod:`dashboard.fleet`'s pure builders (host dicts as the agents' collectors send them,
-with unavailable parts, with and without GPUs; node-history figures), then the pages in a real
+Unit tests of the pure builders of :mod:`dashboard.fleet`, :mod:`dashboard.host_summary` and
+:mod:`dashboard.node_views` (host dicts as the agents' collectors send them, with unavailable parts,
+with and without GPUs; node-history figures), then the pages in a real
 Chromium against the REAL controller (``dashboard_site``: ``create_app()`` on SQLite served live,
 heartbeats posted through ``POST /api/v1/telemetry`` as agents send them).
 
@@ -16,7 +17,8 @@ import time
 from typing import Any
 
 from controller.schemas import Heartbeat, NodeHistoryPublic, NodeState, RankProcess
-from dashboard import fleet
+from dashboard import fleet, host_summary, node_views
+from dashboard import format as fmt
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
 from tests.dashboard.samples import make_node
@@ -97,7 +99,7 @@ def _strings(obj: Any) -> list[str]:
 
 
 def test_summary_of_a_full_host_without_gpu_or_infiniband() -> None:
-    s = fleet.summarize_host(host())
+    s = host_summary.summarize_host(host())
     assert (s.cpu_percent, s.cpu_count, s.memory_percent, s.load_1m) == (37.5, 16, 61.0, 3.25)
     assert (s.disk_percent, s.disk_path) == (91.5, "/data")  # the fullest disk
     # eth1 has no rates yet (first reading): the sums are over what is known.
@@ -109,7 +111,7 @@ def test_summary_of_a_full_host_without_gpu_or_infiniband() -> None:
 
 
 def test_summary_with_gpus_and_infiniband() -> None:
-    s = fleet.summarize_host(host(gpus=[GPU, GPU_2], ib=True))
+    s = host_summary.summarize_host(host(gpus=[GPU, GPU_2], ib=True))
     assert s.gpu_count == 2
     assert s.gpu_util_percent == 60.0  # mean
     assert s.gpu_memory_percent == 25.0  # (30 + 10) / (80 + 80)
@@ -125,7 +127,7 @@ def test_unavailable_missing_and_odd_parts_are_na_with_a_reason() -> None:
     h["system"]["load"] = {"available": True, "1m": float("nan")}
     h["nics"] = {"available": False, "reason": "cannot read /proc/net/dev"}
     h["gpus"] = {"available": True, "count": 1, "devices": [{"index": 0, "available": False, "reason": "GPU lost"}]}
-    s = fleet.summarize_host(h)
+    s = host_summary.summarize_host(h)
     assert s.cpu_percent is None and s.reasons["cpu"] == "psutil: permission denied"
     assert s.disk_percent is None and "disk" in s.reasons
     assert s.load_1m is None  # NaN is no value
@@ -134,16 +136,16 @@ def test_unavailable_missing_and_odd_parts_are_na_with_a_reason() -> None:
     assert s.memory_percent == 61.0  # the rest still shows
 
     for odd in ({}, None, {"system": "garbage"}, {"system": {"cpu": {"percent": True}}}, {"cpu_percent": 12.5}):
-        s = fleet.summarize_host(odd)  # type: ignore[arg-type]
+        s = host_summary.summarize_host(odd)  # type: ignore[arg-type]
         assert s.cpu_percent is None and s.nic_rx_bps is None and s.gpu_count is None
         assert {"cpu", "memory", "disk", "load", "nic", "gpu", "ib"} <= set(s.reasons)
 
 
 def test_formatting() -> None:
-    assert [fleet.fmt_rate(v) for v in (None, 0, 512, 1_250_000, 12.5e9)] == [
+    assert [fmt.fmt_rate(v) for v in (None, 0, 512, 1_250_000, 12.5e9)] == [
         "n/a", "0 B/s", "512 B/s", "1.25 MB/s", "12.5 GB/s"]
-    assert [fleet.fmt_per_s(v) for v in (None, 0, 0.5, 12)] == ["n/a", "0", "0.5/s", "12/s"]
-    assert [fleet.fmt_age(v) for v in (None, 0.84, 42, 180, 9000)] == ["–", "0.8 s", "42 s", "3 min", "2.5 h"]
+    assert [fmt.fmt_per_s(v) for v in (None, 0, 0.5, 12)] == ["n/a", "0", "0.5/s", "12/s"]
+    assert [fmt.fmt_age(v) for v in (None, 0.84, 42, 180, 9000)] == ["–", "0.8 s", "42 s", "3 min", "2.5 h"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,21 +203,21 @@ def test_summary_line() -> None:
 
 def test_node_figures_from_history() -> None:
     h = _history()
-    util = fleet.node_utilisation_figure(h)
+    util = node_views.node_utilisation_figure(h)
     assert [t.name for t in util.data] == ["CPU", "memory", "disk"]
     assert list(util.data[0].y) == [0.0, 10.0, 20.0, 30.0, 40.0] and len(util.data[0].x) == 5
     assert list(util.layout.yaxis.range) == [0, 100]
-    assert [t.name for t in fleet.node_network_figure(h).data] == ["rx", "tx"]
-    assert [t.name for t in fleet.node_nic_errors_figure(h).data] == ["errors", "drops"]
-    assert [t.name for t in fleet.node_load_figure(h).data] == ["load 1m"]
+    assert [t.name for t in node_views.node_network_figure(h).data] == ["rx", "tx"]
+    assert [t.name for t in node_views.node_nic_errors_figure(h).data] == ["errors", "drops"]
+    assert [t.name for t in node_views.node_load_figure(h).data] == ["load 1m"]
     # No GPU ever reported: an empty figure that says so, and the page hides it.
-    gpu = fleet.node_gpu_figure(h)
+    gpu = node_views.node_gpu_figure(h)
     assert gpu.data == () and [a.text for a in gpu.layout.annotations] == ["no GPU on this node"]
-    assert not fleet.history_has_gpu(h)
-    assert fleet.history_has_gpu(_history(gpu=True))
-    assert [t.name for t in fleet.node_gpu_figure(_history(gpu=True)).data] == ["GPU util", "GPU memory"]
+    assert not node_views.history_has_gpu(h)
+    assert node_views.history_has_gpu(_history(gpu=True))
+    assert [t.name for t in node_views.node_gpu_figure(_history(gpu=True)).data] == ["GPU util", "GPU memory"]
     # No history yet.
-    for build in (fleet.node_utilisation_figure, fleet.node_network_figure):
+    for build in (node_views.node_utilisation_figure, node_views.node_network_figure):
         empty = build(None)
         assert empty.data == () and [a.text for a in empty.layout.annotations] == ["waiting for data"]
         assert build(_history(0)).data == ()
