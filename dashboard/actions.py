@@ -303,6 +303,12 @@ def _extend_validation_layout(app: dash.Dash) -> None:
 def register_callbacks(app: dash.Dash) -> None:
     """Register both panels' callbacks on ``app`` (and the panels in its validation layout)."""
     _extend_validation_layout(app)
+    _register_job_callbacks(app)
+    _register_node_callbacks(app)
+
+
+def _register_job_callbacks(app: dash.Dash) -> None:
+    """The job panel's callbacks: open the confirmation dialog (or refuse), then run or dismiss."""
 
     @app.callback(
         Output("actions-job-modal", "is_open"),
@@ -365,6 +371,10 @@ def register_callbacks(app: dash.Dash) -> None:
                 "params": params}
         text, ok = run_job_action(action, job_id, form)
         return False, None, result_message(text, ok, "actions-job")
+
+
+def _register_node_callbacks(app: dash.Dash) -> None:
+    """The node panel's callbacks: open the confirmation dialog (or refuse), then run or dismiss."""
 
     @app.callback(
         Output("actions-node-modal", "is_open"),
