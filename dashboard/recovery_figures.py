@@ -11,6 +11,7 @@ from datetime import datetime
 import plotly.graph_objects as go
 
 from controller.schemas import LOST_CAUSES, CheckpointPublic, GoodputPublic, IncidentPublic, JobMarker
+from dashboard.format import DASH
 from dashboard.plotting import base_layout, empty_figure, round_sig
 
 PHASES: tuple[tuple[str, str, str], ...] = (
@@ -95,5 +96,5 @@ def goodput_figure(gp: GoodputPublic | None) -> go.Figure:
     fig = go.Figure(go.Bar(x=x, y=[round_sig(v) for v in y], marker={"color": colors},
                            text=[f"{100 * v / gp.wall_s:.1f}%" for v in y], textposition="outside",
                            hovertemplate="%{x}: %{y:.1f} s<extra></extra>"))
-    ettr = "–" if gp.ettr is None else f"{gp.ettr:.3f}"
+    ettr = DASH if gp.ettr is None else f"{gp.ettr:.3f}"
     return base_layout(fig, f"Where the {gp.wall_s:.0f} s went · ETTR {ettr}", "", "seconds", gp.job_id)
