@@ -31,6 +31,9 @@ import signal
 from dataclasses import asdict, dataclass
 from multiprocessing.synchronize import Event
 
+from controller.aggregation import TelemetryMaintainer
+from controller.db import make_engine, make_session_factory
+
 log = logging.getLogger(__name__)
 
 
@@ -47,9 +50,6 @@ class MaintainerParams:
 
 def _child(url: str, params: dict[str, float], stop: Event, parent_pid: int) -> None:
     """The child's loop: maintainer passes until ``stop`` is set or the parent is gone."""
-    from controller.aggregation import TelemetryMaintainer
-    from controller.db import make_engine, make_session_factory
-
     # A Ctrl-C at the terminal reaches the whole process group: the controller stops this child itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s vigil-aggregation %(message)s")
@@ -69,7 +69,8 @@ def _child(url: str, params: dict[str, float], stop: Event, parent_pid: int) -> 
 
 
 class AggregationProcess:
-    """One child process running the maintainer's passes on the database at ``url`` (module docstring)."""
+    """One child process running the maintainer's passes on the database at ``url`` (module docstring);
+    the maintainer keeps it running as its :class:`~controller.aggregation.MaintainerProcess`."""
 
     def __init__(self, url: str, params: MaintainerParams) -> None:
         self.url = url

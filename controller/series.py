@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from controller.aggregation import StepAggregates, load_step
 from controller.models import (
     CollectiveMetric,
     CollectiveStepStat,
@@ -38,6 +37,7 @@ from controller.schemas import (
     RankStepsPublic,
     bytes_estimated,
 )
+from controller.step_aggregates import StepAggregates, load_step
 
 T = TypeVar("T")
 

@@ -84,7 +84,6 @@ from typing import Any
 from sqlalchemy import BigInteger, cast, distinct, func, select
 from sqlalchemy.orm import Session
 
-from controller.aggregation import attempt_spans, p50, step_figures
 from controller.host_history import HOST_FIELDS
 from controller.models import (
     Checkpoint,
@@ -108,6 +107,7 @@ from controller.schemas import (
     StepHeatmapPublic,
 )
 from controller.series import decimate
+from controller.step_stats import attempt_spans, p50, step_figures
 
 MAX_FORMING_STEPS = 64
 """Forming (dirty) steps computed from their raw samples per request, the newest ones."""

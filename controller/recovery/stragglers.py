@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from controller.aggregation import waits_in_call
 from controller.models import Job
 from controller.recovery import reads
 from controller.recovery.detectors import Finding
 from controller.schemas import IncidentKind, RecoveryThresholds
+from controller.step_stats import waits_in_call
 
 OWN_HISTORY_STEPS = 200
 """How far back a rank's own past reaches for the individual score (steps before the scored window)."""

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from controller.aggregation import compute_step, load_step, prune_raw
+from controller.aggregation import prune_raw
 from controller.app import create_app
 from controller.models import (
     CollectiveMetric,
@@ -36,6 +36,7 @@ from controller.models import (
 )
 from controller.schemas import MAX_TELEMETRY_ITEMS
 from controller.settings import Settings
+from controller.step_aggregates import compute_step, load_step
 from tests.auth import bearer, issue_token
 
 API = "/api/v1"

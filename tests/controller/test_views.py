@@ -28,7 +28,6 @@ import pytest
 from sqlalchemy import func, insert, select, update
 
 from controller import migrate, views
-from controller.aggregation import attempt_spans
 from controller.client import ApiError
 from controller.db import make_engine, session_scope
 from controller.goodput import StepRun, Timeline, goodput_from
@@ -44,6 +43,7 @@ from controller.schemas import (
     Role,
     TelemetryBatch,
 )
+from controller.step_stats import attempt_spans
 from tests.live_controller import LiveController, checkpoint_path, step_sample
 
 API = "/api/v1"

@@ -1,0 +1,266 @@
+"""One step's aggregates (the three kinds of rows of :mod:`controller.aggregation`): computed from the
+step's raw rows (:func:`compute_step`, :func:`load_step`, which lets the database fold them) and
+written in place of the earlier ones (:func:`write_step`). Wait, transfer and attempts are defined in
+:mod:`controller.step_stats`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.orm import Session
+
+from controller.models import CollectiveMetric, CollectiveStepStat, JobStepStat, RankStepStat, StepMetric
+from controller.step_stats import attempt_spans, fastest_of_calls, p50, step_figures
+from controller.telemetry import bulk_insert
+
+RANK_STAT_COLUMNS = (
+    "job_id", "step", "rank", "node_id", "ts", "loss", "tokens_per_s", "step_time_s", "data_s", "fwd_bwd_s",
+    "optim_s", "comm_s", "comm_wait_s", "collectives", "payload_bytes", "wire_bytes",
+)
+
+
+_rank_stat_values = itemgetter(*RANK_STAT_COLUMNS)
+
+
+def _argmax(values: dict[int, float]) -> int:
+    """The rank with the largest value (the lowest such rank on ties)."""
+    return min(values, key=lambda r: (-values[r], r))
+
+
+@dataclass
+class StepAggregates:
+    """What one step of one job aggregates to (plain dicts, column name -> value)."""
+
+    job: dict[str, Any]
+    ranks: list[dict[str, Any]]
+    collectives: list[dict[str, Any]]
+
+
+# Raw row layouts fetched for one step (positions used below).
+_STEP_FIELDS = (
+    StepMetric.rank, StepMetric.node_id, StepMetric.ts, StepMetric.loss, StepMetric.tokens_per_s,
+    StepMetric.step_time_s, StepMetric.data_s, StepMetric.fwd_bwd_s, StepMetric.optim_s, StepMetric.comm_s,
+    StepMetric.val_loss,
+)
+_COLL_FIELDS = (
+    CollectiveMetric.rank, CollectiveMetric.seq, CollectiveMetric.op, CollectiveMetric.group,
+    CollectiveMetric.tag, CollectiveMetric.duration_s, CollectiveMetric.payload_bytes,
+    CollectiveMetric.wire_bytes, CollectiveMetric.elements, CollectiveMetric.ts, CollectiveMetric.node_id,
+)
+
+
+@dataclass
+class _KindRank:
+    """What one rank did in one kind of collective in one step."""
+
+    dur: float = 0.0
+    wait: float = 0.0
+    calls: int = 0
+    payload: int = 0
+    wire: int = 0
+    elements: int = 0
+    ts: float = 0.0
+    node: str = ""
+
+
+Kind = tuple[str, str, str]
+
+
+def compute_step(job_id: str, step: int, step_rows: Iterable[Sequence[Any]],
+                 coll_rows: Iterable[Sequence[Any]]) -> StepAggregates | None:
+    """Aggregate one step from its raw rows (each iterable in arrival order, fields as ``_STEP_FIELDS``
+    and ``_COLL_FIELDS``; ``val_loss``, the last step field, may be left out). Later rows of the same
+    (rank) or (rank, seq) replace earlier ones. None when there is nothing to aggregate."""
+    step_rows = list(step_rows)
+    steps: dict[int, Sequence[Any]] = {}
+    for r in step_rows:
+        steps[r[0]] = r
+    calls: dict[tuple[int, int], Sequence[Any]] = {}
+    for c in coll_rows:
+        calls[(c[0], c[1])] = c
+    fastest = fastest_of_calls((seq, c[5]) for (_, seq), c in calls.items())
+    kinds: dict[Kind, dict[int, _KindRank]] = {}
+    transfer: dict[Kind, dict[int, float]] = {}
+    for (rank, seq), c in calls.items():
+        _, _, op, group, tag, d, payload, wire, elements, ts, node = c
+        kr = kinds.setdefault((op, group, tag), {}).setdefault(rank, _KindRank(node=node))
+        kr.dur += d
+        kr.wait += d - fastest[seq]
+        kr.calls += 1
+        kr.payload += payload
+        kr.wire += wire
+        kr.elements += elements
+        kr.ts = max(kr.ts, ts)
+        transfer.setdefault((op, group, tag), {})[seq] = fastest[seq]
+    return _assemble(job_id, step, steps, kinds, {k: sum(v.values()) for k, v in transfer.items()}, len(calls),
+                     attempt_spans((r[0], r[2], r[5]) for r in step_rows))
+
+
+def _assemble(job_id: str, step: int, steps: dict[int, Sequence[Any]], kinds: dict[Kind, dict[int, _KindRank]],
+              transfer: dict[Kind, float], n_calls: int,
+              spans: tuple[float | None, list[list[float]] | None] = (None, None)) -> StepAggregates | None:
+    """The three kinds of aggregate rows from per-rank step rows and per (kind, rank) collective totals
+    (``spans``: :func:`attempt_spans` of the step rows)."""
+    if not steps and not kinds:
+        return None
+    collectives: list[dict[str, Any]] = []
+    r_comm: dict[int, float] = {}
+    r_wait: dict[int, float] = {}
+    r_calls: dict[int, int] = {}
+    r_payload: dict[int, int] = {}
+    r_wire: dict[int, int] = {}
+    r_node: dict[int, str] = {}
+    r_ts: dict[int, float] = {}
+    for kind in sorted(kinds):
+        per = kinds[kind]
+        dur = {r: k.dur for r, k in per.items()}
+        wait = {r: k.wait for r, k in per.items()}
+        for r, k in per.items():
+            r_comm[r] = r_comm.get(r, 0.0) + k.dur
+            r_wait[r] = r_wait.get(r, 0.0) + k.wait
+            r_calls[r] = r_calls.get(r, 0) + k.calls
+            r_payload[r] = r_payload.get(r, 0) + k.payload
+            r_wire[r] = r_wire.get(r, 0) + k.wire
+            r_node.setdefault(r, k.node)
+            r_ts[r] = max(r_ts.get(r, 0.0), k.ts)
+        op, group, tag = kind
+        collectives.append({
+            "job_id": job_id, "step": step, "op": op, "group": group, "tag": tag,
+            "ts": max(k.ts for k in per.values()), "calls": max(k.calls for k in per.values()), "ranks": len(per),
+            "p50_s": p50(list(dur.values())), "max_s": max(dur.values()), "min_s": min(dur.values()),
+            "slowest_rank": _argmax(dur), "transfer_s": transfer.get(kind, 0.0),
+            "wait_p50_s": p50(list(wait.values())), "wait_max_s": max(wait.values()),
+            "most_waiting_rank": _argmax(wait),
+            "payload_bytes": sum(k.payload for k in per.values()), "wire_bytes": sum(k.wire for k in per.values()),
+            "elements": sum(k.elements for k in per.values()),
+        })
+
+    ranks: list[dict[str, Any]] = []
+    for rank in sorted(set(steps) | set(r_calls)):
+        s = steps.get(rank)
+        comm_s = s[9] if s is not None and s[9] is not None else r_comm.get(rank)
+        ranks.append({
+            "job_id": job_id, "step": step, "rank": rank,
+            "node_id": s[1] if s is not None else r_node[rank],
+            "ts": s[2] if s is not None else r_ts[rank],
+            "loss": s[3] if s is not None else None,
+            "tokens_per_s": s[4] if s is not None else None,
+            "step_time_s": s[5] if s is not None else None,
+            "data_s": s[6] if s is not None else None,
+            "fwd_bwd_s": s[7] if s is not None else None,
+            "optim_s": s[8] if s is not None else None,
+            "comm_s": comm_s,
+            "comm_wait_s": r_wait.get(rank, 0.0) if rank in r_calls else None,
+            "collectives": r_calls.get(rank, 0),
+            "payload_bytes": r_payload.get(rank, 0),
+            "wire_bytes": r_wire.get(rank, 0),
+        })
+
+    times: dict[int, float] = {r["rank"]: r["step_time_s"] for r in ranks if r["step_time_s"] is not None}
+    waits: dict[int, float] = {r["rank"]: r["comm_wait_s"] for r in ranks if r["comm_wait_s"] is not None}
+    comms: list[float] = [r["comm_s"] for r in ranks if r["comm_s"] is not None]
+    figures = step_figures(times, (r["loss"] for r in ranks), (s[10] if len(s) > 10 else None for s in steps.values()),
+                           (r["tokens_per_s"] for r in ranks))
+    job = {
+        "job_id": job_id, "step": step, "ts": max(r["ts"] for r in ranks), "ranks": len(ranks),
+        **figures,
+        "start_ts": spans[0], "reruns": spans[1],
+        "comm_s_max": max(comms) if comms else None,
+        "comm_wait_max_s": max(waits.values()) if waits else None,
+        "most_waiting_rank": _argmax(waits) if waits else None,
+        "collectives": n_calls,
+        "payload_bytes": sum(r_payload.values()),
+        "wire_bytes": sum(r_wire.values()),
+    }
+    return StepAggregates(job=job, ranks=ranks, collectives=collectives)
+
+
+def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None:
+    """Aggregates of (job, step) computed from the raw rows now in the database.
+
+    The database does the per-row work (GROUP BY per call and per (kind, rank)); Python sees one
+    row per rank and kind. Only a step with duplicate samples (a rank re-ran it after a restart)
+    is read row by row, so that the latest sample of each (rank, seq) wins.
+    """
+    # Core results, not ORM ones: 10,000 rows for a 10,000-rank step, and the ORM's row handling was a
+    # tenth of the pass's time. (The session's connection, so inside its transaction.)
+    conn = session.connection()
+    step_rows = conn.execute(
+        select(*_STEP_FIELDS).where(StepMetric.job_id == job_id, StepMetric.step == step).order_by(StepMetric.attempt, StepMetric.id)
+    ).all()
+    steps: dict[int, Sequence[Any]] = {}
+    for r in step_rows:
+        steps[r[0]] = r
+    C = CollectiveMetric
+    where = (C.job_id == job_id, C.step == step)
+    # Duplicates (a (rank, seq) stored under two run attempts: the rank re-ran the step after a restart)
+    # take the exact, row-by-row path. The unique key (job, step, rank, attempt, seq) allows them only
+    # across attempts, so a group with one attempt has none: min = max attempt, found in the same scan
+    # (a count of distinct seqs per group cost a sort per group: a third of this query on SQLite).
+    per_kind_rank = conn.execute(
+        select(C.op, C.group, C.tag, C.rank, func.count(), func.min(C.attempt), func.max(C.attempt),
+               func.sum(C.duration_s), func.sum(C.payload_bytes), func.sum(C.wire_bytes), func.sum(C.elements),
+               func.max(C.ts), func.min(C.node_id))
+        .where(*where).group_by(C.op, C.group, C.tag, C.rank)
+    ).all()
+    if any(r[5] != r[6] for r in per_kind_rank):
+        coll_rows = conn.execute(select(*_COLL_FIELDS).where(*where).order_by(C.attempt, C.id)).all()
+        return compute_step(job_id, step, step_rows, coll_rows)
+    # The fastest duration of each call (a call: every rank's seq-th call of the step), with its kind.
+    per_call = conn.execute(
+        select(C.op, C.group, C.tag, C.seq, func.min(C.duration_s)).where(*where).group_by(C.op, C.group, C.tag, C.seq)
+    ).all()
+    fastest: dict[int, float] = {}
+    transfer: dict[Kind, float] = {}
+    calls_of: dict[Kind, int] = {}
+    for op, group, tag, seq, d in per_call:
+        fastest[seq] = min(float(d), fastest.get(seq, math.inf))
+        transfer[(op, group, tag)] = transfer.get((op, group, tag), 0.0) + float(d)
+        calls_of[(op, group, tag)] = calls_of.get((op, group, tag), 0) + 1
+    # Each rank's wait in a kind is the sum over its calls of (duration - the call's fastest). Where
+    # every rank made every call of its kind (the rule: the ranks of a collective call it together)
+    # and each call is of one kind, that sum is the rank's total minus the kind's transfer: no per-row
+    # pass. Otherwise one more GROUP BY, over each row next to its call's fastest duration.
+    if len(fastest) == len(per_call) and all(r[4] == calls_of[(r[0], r[1], r[2])] for r in per_kind_rank):
+        waits = {(r[0], r[1], r[2], r[3]): float(r[7]) - transfer[(r[0], r[1], r[2])] for r in per_kind_rank}
+    else:
+        # By a window function: one scan, and no join for the planner to get wrong (on a fresh table
+        # without statistics PostgreSQL picked a nested loop that re-aggregated per row).
+        rows = select(C.op, C.group, C.tag, C.rank, C.duration_s,
+                      func.min(C.duration_s).over(partition_by=C.seq).label("fastest")).where(*where).subquery()
+        waits = {(op, group, tag, rank): float(w) for op, group, tag, rank, w in conn.execute(
+            select(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank, func.sum(rows.c.duration_s - rows.c.fastest))
+            .group_by(rows.c.op, rows.c.group, rows.c.tag, rows.c.rank)).all()}
+        transfer = {}
+        for op, group, tag, seq, _ in per_call:  # a call counted once, in every kind it appears in
+            transfer[(op, group, tag)] = transfer.get((op, group, tag), 0.0) + fastest[seq]
+    spans = attempt_spans((r[0], r[2], r[5]) for r in step_rows)
+    kinds: dict[Kind, dict[int, _KindRank]] = {}
+    n_calls = 0
+    for op, group, tag, rank, count, _, _, dur, payload, wire, elements, ts, node in per_kind_rank:
+        kinds.setdefault((op, group, tag), {})[rank] = _KindRank(
+            dur=float(dur), wait=max(0.0, waits[(op, group, tag, rank)]), calls=int(count), payload=int(payload),
+            wire=int(wire), elements=int(elements), ts=float(ts), node=node)
+        n_calls += int(count)
+    return _assemble(job_id, step, steps, kinds, transfer, n_calls, spans)
+
+
+def write_step(session: Session, job_id: str, step: int, agg: StepAggregates | None) -> None:
+    """Replace the stored aggregates of (job, step) with ``agg`` (None: remove them)."""
+    for model in (JobStepStat, RankStepStat, CollectiveStepStat):
+        session.execute(delete(model).where(model.job_id == job_id, model.step == step))
+    if agg is None:
+        return
+    session.execute(insert(JobStepStat), [agg.job])
+    if agg.collectives:
+        session.execute(insert(CollectiveStepStat), agg.collectives)
+    bulk_insert(session, "rank_step_stats", RANK_STAT_COLUMNS, list(map(_rank_stat_values, agg.ranks)))
+
+
+__all__ = ["StepAggregates", "compute_step", "load_step", "write_step"]
