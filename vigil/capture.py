@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.schemas import CAPTURED_TAG
+from controller.schemas import CAPTURED_TAG, StepSample
 from vigil.comm import CollectiveRecord
 
 log = logging.getLogger(__name__)
@@ -269,6 +269,21 @@ def busy_seconds(records: Iterable[CollectiveRecord]) -> float:
     if cur_end is not None:
         total += cur_end - cur_start  # type: ignore[operator]
     return total
+
+
+def captured_times(sample: StepSample, own: list[CollectiveRecord], w: Window, marked: bool) -> dict[str, Any]:
+    """A step's communication time from its captured collectives: the time the rank stood waiting before
+    its optimizer step (from the last collective it enqueued before it, e.g. DDP's last bucket, to the
+    optimizer step, which needs them done), plus the span of those it ran after. Taken out of an
+    unmarked forward+backward, which holds DDP's wait otherwise."""
+    opt_s = w.optimizer_ns / 1e9 if w.optimizer_ns is not None else None
+    before = [r for r in own if opt_s is not None and r.ts - r.duration_s < opt_s]
+    exposed = max(0.0, opt_s - max(r.ts - r.duration_s for r in before)) if before and opt_s is not None else 0.0
+    after = busy_seconds(r for r in own if r not in before)
+    update: dict[str, Any] = {"comm_s": (sample.comm_s or 0.0) + exposed + after}
+    if not marked and sample.fwd_bwd_s is not None:
+        update["fwd_bwd_s"] = max(0.0, sample.fwd_bwd_s - exposed)
+    return update
 
 
 def _group_sizes() -> dict[str, int]:

@@ -169,7 +169,7 @@ def step(number: int) -> Step:
 
 def report(loss: float | torch.Tensor | None = None, *, tokens: int | None = None, **metrics: Any) -> None:
     """Report the open step's loss, tokens and metrics (the same as ``s.report(...)``)."""
-    get_session()._open_step("report()").report(loss, tokens=tokens, **metrics)
+    get_session().open_step("report()").report(loss, tokens=tokens, **metrics)
 
 
 def checkpoint(step: int, *, force: bool = False, **state: Any) -> bool:

@@ -24,14 +24,36 @@ ends a step.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from vigil.rank.step import Step
+from vigil.rank.step import Step, StepHost
 
-if TYPE_CHECKING:
-    from vigil.rank.session import Session
+
+class AutoStepHost(StepHost, Protocol):
+    """What the unmarked steps need of the rank's session (:class:`vigil.rank.session.Session` is one),
+    beyond what a step needs."""
+
+    @property
+    def current_step(self) -> Step | None:
+        """The open step, None when none is."""
+        ...
+
+    def drop_step(self) -> None:
+        """No step is open any more (the open one is neither recorded nor sent)."""
+        ...
+
+    def finish_step(self, step: Step) -> None:
+        """Record and send ``step``, which has ended."""
+        ...
+
+    def amend_held(self, number: int, values: dict[str, Any]) -> int | None:
+        """Metrics reported after step ``number`` ended onto its held sample; None when it was sent already."""
+        ...
+
+    def restart_idle_clock(self) -> None:
+        """Training has just been seen to progress (the rank's idle time starts again from now)."""
+        ...
 
 
 def optimizer_count(optimizer: Any) -> int | None:
@@ -50,7 +72,7 @@ def optimizer_count(optimizer: Any) -> int | None:
 class AutoSteps:
     """The session's unmarked steps (module docstring)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: AutoStepHost) -> None:
         self.session = session
         self.clock: int | str | None = None
         """``id`` of the optimizer whose steps delimit (the first to step), or :data:`REPORTS`."""
@@ -73,12 +95,12 @@ class AutoSteps:
 
     def _boundary(self, counted: int | None) -> None:
         s = self.session
-        current = s._step
+        current = s.current_step
         number = counted if counted is not None and counted > self.last else self.last + 1
         if current is not None and current.auto:
             current.number = number
-            s._step = None
-            s._finish_step(current)
+            s.drop_step()
+            s.finish_step(current)
             self.steps += 1
         self.last = number
         nxt = Step(s, number + 1)
@@ -91,18 +113,19 @@ class AutoSteps:
         s = self.session
         values = step_values(metrics)
         if not self.engaged:  # the code marks its steps: the open one is the one it reports about
-            if s._step is not None and values:
-                s._step.report(values.pop("loss", None), **values)
-                return s._step.number
+            current = s.current_step
+            if current is not None and values:
+                current.report(values.pop("loss", None), **values)
+                return current.number
             return None
         if self.clock is None:
             self.reports += 1
             if self.reports < 2:  # an initial report (an evaluation before training) only starts the clock
-                s._last_end = time.monotonic()
+                s.restart_idle_clock()
                 return None
             self.clock = REPORTS
         if self.clock == REPORTS:
-            if s._step is None:
+            if s.current_step is None:
                 self._boundary(None)  # opens the first step: it ends at the next report
                 return None
             step = metrics.get("step")
@@ -110,14 +133,14 @@ class AutoSteps:
             self._boundary(counted)
         if not values or self.steps == 0:
             return None
-        return s._amend_held(self.last, values)
+        return s.amend_held(self.last, values)
 
     def disengage(self) -> None:
         """The code marks its own steps: drop the open unmarked one."""
         self.engaged = False
-        s = self.session
-        if s._step is not None and s._step.auto:
-            s._step = None
+        current = self.session.current_step
+        if current is not None and current.auto:
+            self.session.drop_step()
 
 
 REPORTS = "reports"

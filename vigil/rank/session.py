@@ -19,9 +19,9 @@ from torch.utils._pytree import tree_map
 
 from controller.schemas import FaultSample, JobCreate, OptimizerSpec, ProgressSample, StepSample
 from vigil import checkpointing as ckpt_mod
-from vigil.capture import CollectiveCapture, Window, assign, busy_seconds, fr_available
+from vigil.capture import CollectiveCapture, Window, assign, captured_times, fr_available
 from vigil.comm import CollectiveRecord, Comm
-from vigil.faults import Fault, FaultHook
+from vigil.faults import NAN_LOSS, PROCESS_KINDS, SLOW_RANK, Fault, FaultHook, carry_out
 from vigil.optim import build_strategy
 from vigil.rank.autostep import AutoSteps
 from vigil.rank.context import PreemptionSchedule, RankContext, TrainSummary
@@ -172,20 +172,20 @@ class Session:
         s = self._step
         if s is None or self._vigil_optimizer:
             return
-        if s._optimizer_ns is None:  # before a slow_rank's sleep: the collectives were done by now
-            s._optimizer_ns = time.time_ns()
-        s._before_optimizer()
-        s._optimizer_t = time.perf_counter()
+        s.torch_optimizer_started()
 
     def _torch_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._vigil_optimizer:
             return
         s = self._step
-        if s is not None and s._optimizer_t is not None:
-            s._add("optimizer", time.perf_counter() - s._optimizer_t)
-            s._optimizer_t = None
+        if s is not None:
+            s.torch_optimizer_ended()
         if s is None or s.auto:
             self._auto.after_optimizer(optimizer)  # code that does not mark its steps
+
+    def restart_idle_clock(self) -> None:
+        """Training was just seen to progress: the idle time the watcher reports starts again from now."""
+        self._last_end = time.monotonic()
 
     def _idle(self) -> tuple[float, float]:
         return time.monotonic() - self._last_end, self._last_step_time
@@ -210,20 +210,72 @@ class Session:
         """See :func:`step`."""
         return Step(self, number)
 
-    def _open_step(self, what: str) -> Step:
+    @property
+    def current_step(self) -> Step | None:
+        """The open step, None when none is."""
+        return self._step
+
+    def open_step(self, what: str) -> Step:
+        """The open step; a RuntimeError naming ``what`` (the caller) when none is open."""
         if self._step is None:
             raise RuntimeError(f"{what} needs an open step: call it inside `with vigil.step(n):`")
         return self._step
 
-    def _finish_step(self, s: Step) -> None:
+    def drop_step(self) -> None:
+        """No step is open any more (the open one is neither recorded nor sent)."""
+        self._step = None
+
+    @property
+    def slow_factor(self) -> float:
+        """A ``slow_rank`` fault's factor: each step's compute takes this many times as long (1.0: none)."""
+        return self._slow
+
+    def step_opened(self, step: Step) -> None:
+        """``step`` is entered (:meth:`Step.__enter__`): it becomes the open step, and a fault due at it fires."""
+        if not step.auto:
+            self._auto.disengage()
+        if self._step is not None:
+            raise RuntimeError(f"step {step.number} opened while step {self._step.number} is still open")
+        self._step = step
+        self.comm.set_step(step.number)
+        if self.live is not None:
+            self.live.start_step(step.number)  # the quorum of this step (a replica that left is out, a new one heals)
+        fault = self.faults.check(step.number)
+        if fault is not None:
+            self._take_fault(step, fault)
+
+    def _take_fault(self, step: Step, fault: Fault) -> None:
+        """A fault due at ``step`` fires: a process fault now (``kill_rank`` never returns, ``hang_rank``
+        returns when continued), ``nan_loss`` in this step's forward, ``slow_rank`` in each step's compute."""
+        self.summary.faults.append(step.number)
+        step.fault = fault.kind
+        self._fault_hit(fault)
+        if fault.kind in PROCESS_KINDS:
+            carry_out(fault)
+        elif fault.kind == NAN_LOSS:
+            self._nan_step = step.number
+        elif fault.kind == SLOW_RANK:
+            self._slow = fault.factor
+
+    def step_closed(self, step: Step, *, failed: bool) -> None:
+        """``step`` is left (:meth:`Step.__exit__`): no step is open; one that did not fail is recorded and sent."""
+        self._step = None
+        if failed:
+            return
+        if self.live is not None:
+            self.live.end_step()
+        self.finish_step(step)
+
+    def finish_step(self, s: Step) -> None:
+        """Record and send ``s``, which has ended: its step sample, the summary, the loss window."""
         now = time.perf_counter()
         records = self.comm.drain()  # the first step's also holds the start-up ones (step 0: initial broadcasts)
         # (a live replica's heal is recorded under its first step but ran before it: not this step's time)
         comm_s = sum(r.duration_s for r in records if r.step == s.number and r.op != "heal")
-        step_time = now - s._t0
-        data_s = s._phases.get("data")
-        optim_total = s._phases.get("optimizer")
-        fwd_bwd = s._phases.get("forward_backward")
+        step_time = now - s.started_at
+        data_s = s.phases.get("data")
+        optim_total = s.phases.get("optimizer")
+        fwd_bwd = s.phases.get("forward_backward")
         if fwd_bwd is None:  # not marked: the rest of the step
             fwd_bwd = max(0.0, step_time - (data_s or 0.0) - (optim_total or 0.0))
         loss = s.loss
@@ -246,8 +298,8 @@ class Session:
         else:
             if s.auto:  # ship the steps before this one: its metrics may follow its optimizer step (autostep)
                 self._ship_held()
-            self._held.append((sample, records, Window(s.number, s._start_ns, s._optimizer_ns, time.time_ns()),
-                               "forward_backward" in s._phases))
+            self._held.append((sample, records, Window(s.number, s.start_ns, s.optimizer_ns, time.time_ns()),
+                               "forward_backward" in s.phases))
             if not s.auto:
                 self._ship_held()
         self._last_step_time = step_time
@@ -266,7 +318,7 @@ class Session:
                       "tokens_per_s": s.tokens / step_time if step_time > 0 else 0.0, **s.metrics}
         self.checkpointer.poll()
 
-    def _amend_held(self, number: int, values: dict[str, Any]) -> int | None:
+    def amend_held(self, number: int, values: dict[str, Any]) -> int | None:
         """Metrics reported after step ``number`` ended (:meth:`AutoSteps.reported`) onto its held sample;
         None when it was sent already."""
         with self._ship_lock:
@@ -323,7 +375,7 @@ class Session:
                 mine += [r for recs_ in captured.values() for r in recs_ if r.step < w.step]
             own = [r for r in mine if r.step == w.step]
             if own:
-                sample = sample.model_copy(update=_captured_times(sample, own, w, marked))
+                sample = sample.model_copy(update=captured_times(sample, own, w, marked))
             self.ctx.telemetry.send_step(sample, [*records, *mine])
             self._shipped_step = w.step
 
@@ -434,17 +486,3 @@ class Session:
         if self.live is not None:
             self.live.close()
 
-
-def _captured_times(sample: StepSample, own: list[CollectiveRecord], w: Window, marked: bool) -> dict[str, Any]:
-    """A step's communication time from its captured collectives: the time the rank stood waiting before
-    its optimizer step (from the last collective it enqueued before it, e.g. DDP's last bucket, to the
-    optimizer step, which needs them done), plus the span of those it ran after. Taken out of an
-    unmarked forward+backward, which holds DDP's wait otherwise."""
-    opt_s = w.optimizer_ns / 1e9 if w.optimizer_ns is not None else None
-    before = [r for r in own if opt_s is not None and r.ts - r.duration_s < opt_s]
-    exposed = max(0.0, opt_s - max(r.ts - r.duration_s for r in before)) if before and opt_s is not None else 0.0
-    after = busy_seconds(r for r in own if r not in before)
-    update: dict[str, Any] = {"comm_s": (sample.comm_s or 0.0) + exposed + after}
-    if not marked and sample.fwd_bwd_s is not None:
-        update["fwd_bwd_s"] = max(0.0, sample.fwd_bwd_s - exposed)
-    return update

@@ -1,5 +1,8 @@
 """The optimizer a rank steps (:class:`Optimizer`: any strategy of the registry over the user's module)
-and one training step (:class:`Step`: phases, the injected fault, the step sample)."""
+and one training step (:class:`Step`: phases, the injected fault, the step sample).
+
+Both reach the rank's session only through :class:`StepHost`, what they need of it (the session,
+:class:`vigil.rank.session.Session`, is one): this module never imports the session's."""
 
 from __future__ import annotations
 
@@ -7,22 +10,41 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, Self
 
 import torch
 from torch import nn
 
 from controller.schemas import OptimizerSpec
-from vigil.faults import NAN_LOSS, PROCESS_KINDS, SLOW_RANK, carry_out
 from vigil.optim import Strategy
 from vigil.optim.base import StateLayout
 from vigil.rank.context import PHASES
 
-if TYPE_CHECKING:
-    from vigil.rank.session import Session
-
 log = logging.getLogger(__name__)
+
+
+class StepHost(Protocol):
+    """What a :class:`Step` and an :class:`Optimizer` need of the rank's session (which holds the open step)."""
+
+    @property
+    def slow_factor(self) -> float:
+        """A ``slow_rank`` fault's factor: each step's compute takes this many times as long (1.0: none)."""
+        ...
+
+    def open_step(self, what: str) -> Step:
+        """The open step; a RuntimeError naming ``what`` (the caller) when none is open."""
+        ...
+
+    def step_opened(self, step: Step) -> None:
+        """``step`` is entered: it becomes the open step and a fault due at it fires (a ``kill_rank`` never
+        returns)."""
+        ...
+
+    def step_closed(self, step: Step, *, failed: bool) -> None:
+        """``step`` is left: no step is open; one that did not fail (an exception left it) is recorded and sent."""
+        ...
+
 
 class Optimizer:
     """An optimizer strategy of the registry over the user's module, as :func:`optimizer` returns it.
@@ -32,7 +54,7 @@ class Optimizer:
     calls it: it may communicate). Checkpoint it by handing it to :func:`checkpoint` / :func:`restore`.
     """
 
-    def __init__(self, session: Session, strategy: Strategy, spec: OptimizerSpec) -> None:
+    def __init__(self, session: StepHost, strategy: Strategy, spec: OptimizerSpec) -> None:
         self._session = session
         self.strategy = strategy
         self.spec = spec
@@ -58,13 +80,13 @@ class Optimizer:
             if not (lr > 0 and math.isfinite(lr)):
                 raise ValueError(f"lr must be a finite number > 0, got {lr}")
             self.lr = lr
-        current = self._session._open_step(f"{type(self).__name__}.step")
-        current._before_optimizer()
+        current = self._session.open_step(f"{type(self).__name__}.step")
+        current.before_optimizer()
         t = time.perf_counter()
         try:
             self.strategy.step(current.number, self.lr)
         finally:
-            current._add("optimizer", time.perf_counter() - t)
+            current.add_time("optimizer", time.perf_counter() - t)
 
     def eval_module(self) -> nn.Module:
         return self.strategy.eval_module()
@@ -85,7 +107,7 @@ class Optimizer:
 class Step:
     """One open step (:func:`step`): phases, the report, the fault of this step; sends on leaving."""
 
-    def __init__(self, session: Session, number: int) -> None:
+    def __init__(self, session: StepHost, number: int) -> None:
         if number < 1:
             raise ValueError(f"step must be >= 1 (steps are numbered from 1), got {number}")
         self.session = session
@@ -122,21 +144,57 @@ class Step:
                 self._slow_down(time.perf_counter() - t)
         finally:
             self._open_phase = None
-            self._add(name, time.perf_counter() - t)
+            self.add_time(name, time.perf_counter() - t)
 
-    def _add(self, name: str, seconds: float) -> None:
+    def add_time(self, name: str, seconds: float) -> None:
+        """``seconds`` more spent in phase ``name`` of this step."""
         self._phases[name] = self._phases.get(name, 0.0) + seconds
+
+    @property
+    def phases(self) -> Mapping[str, float]:
+        """Seconds per phase marked or measured so far (a phase never marked is absent)."""
+        return self._phases
+
+    @property
+    def started_at(self) -> float:
+        """``time.perf_counter()`` when the step opened (after a fault that hung it)."""
+        return self._t0
+
+    @property
+    def start_ns(self) -> int:
+        """Wall clock (``time.time_ns()``) when the step opened."""
+        return self._start_ns
+
+    @property
+    def optimizer_ns(self) -> int | None:
+        """Wall clock of the first torch optimizer step in this step, None before one."""
+        return self._optimizer_ns
 
     def _slow_down(self, compute_s: float) -> None:
         """A ``slow_rank`` fault: the compute phase takes ``factor`` times as long (once per step)."""
-        factor = self.session._slow
+        factor = self.session.slow_factor
         if factor > 1.0 and not self._slowed:
             self._slowed = True
             time.sleep((factor - 1.0) * max(0.0, compute_s))
 
-    def _before_optimizer(self) -> None:
+    def before_optimizer(self) -> None:
+        """The optimizer step is about to run: compute is over (an unmarked step's ``slow_rank`` acts here)."""
         if "forward_backward" not in self._phases:  # compute not marked: all since the data phase
             self._slow_down(time.perf_counter() - self._t0 - self._phases.get("data", 0.0))
+
+    def torch_optimizer_started(self) -> None:
+        """A torch optimizer (the user's own, not one of Vigil's) starts its step: the end of compute and the
+        start of the optimizer phase."""
+        if self._optimizer_ns is None:  # before a slow_rank's sleep: the collectives were done by now
+            self._optimizer_ns = time.time_ns()
+        self.before_optimizer()
+        self._optimizer_t = time.perf_counter()
+
+    def torch_optimizer_ended(self) -> None:
+        """The torch optimizer's step ended: its time is the optimizer phase's."""
+        if self._optimizer_t is not None:
+            self.add_time("optimizer", time.perf_counter() - self._optimizer_t)
+            self._optimizer_t = None
 
     # -- report ------------------------------------------------------------------------------------
 
@@ -160,35 +218,10 @@ class Step:
     # -- context -----------------------------------------------------------------------------------
 
     def __enter__(self) -> Self:
-        s = self.session
-        if not self.auto:
-            s._auto.disengage()
-        if s._step is not None:
-            raise RuntimeError(f"step {self.number} opened while step {s._step.number} is still open")
-        s._step = self
-        s.comm.set_step(self.number)
-        if s.live is not None:
-            s.live.start_step(self.number)  # the quorum of this step (a replica that left is out, a new one heals)
-        fault = s.faults.check(self.number)
-        if fault is not None:
-            s.summary.faults.append(self.number)
-            self.fault = fault.kind
-            s._fault_hit(fault)
-            if fault.kind in PROCESS_KINDS:
-                carry_out(fault)  # kill_rank never returns; hang_rank returns when continued
-            elif fault.kind == NAN_LOSS:
-                s._nan_step = self.number
-            elif fault.kind == SLOW_RANK:
-                s._slow = fault.factor
+        self.session.step_opened(self)  # a fault due at this step fires (and may hang it) before the clock starts
         self._t0 = time.perf_counter()
         self._start_ns = time.time_ns()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        s = self.session
-        s._step = None
-        if exc_type is not None:
-            return
-        if s.live is not None:
-            s.live.end_step()
-        s._finish_step(self)
+        self.session.step_closed(self, failed=exc_type is not None)
