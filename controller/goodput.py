@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from controller.models import Checkpoint, Incident, Job, JobStepStat, StepMetric
 from controller.schemas import LOST_CAUSES, GoodputPublic
-from controller.views import _dup_attempts, _steps, _ts
+from controller.view_steps import _dup_attempts, _steps, _ts
 
 
 @dataclass(frozen=True)

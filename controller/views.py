@@ -4,10 +4,11 @@ host history (goodput: :mod:`controller.goodput`). Pure reads; nothing here writ
 **Where the numbers come from.** A settled step is read from its aggregates
 (:mod:`controller.aggregation`: one ``job_step_stats`` row per step holds the job-wide figures, one
 ``rank_step_stats`` row per rank the rank's), so the overview of a 10,000-rank job reads one row per
-step, not 10,000. The newest :data:`MAX_FORMING_STEPS` steps still forming (marked dirty) are
-computed from their raw samples with the aggregator's own definitions (``final`` False); an older
-forming step shows its earlier aggregate if it has one, and otherwise cuts the overview short just
-before it, so that a client polling with ``since_step = last_step + 1`` never skips it. Ranks are
+step, not 10,000. The newest :data:`~controller.view_steps.MAX_FORMING_STEPS` steps still forming
+(marked dirty; :mod:`controller.view_steps`) are computed from their raw samples with the
+aggregator's own definitions (``final`` False); an older forming step shows its earlier aggregate if
+it has one, and otherwise cuts the overview short just before it, so that a client polling with
+``since_step = last_step + 1`` never skips it. Ranks are
 folded in SQL wherever the view is a sum, a max or a count (slowest ranks, heatmap cells); Python
 sees one row per rank or per cell. A re-run step (restart from a checkpoint) shows its latest
 attempt: the latest sample of each rank wins, as in the aggregates.
@@ -18,20 +19,7 @@ wire bytes; decimated to ``max_points`` with :func:`controller.series.decimate` 
 slowest step of each run: a spike of ``step_time_max_s`` survives). ``slowest_ranks``: the ``top_k``
 ranks by mean step time over the job's last ``rank_window`` steps (by step number), ``vs_median``
 against the median (nearest-rank) of the ranks' means; ``ranks`` counts the ranks seen in that
-window. ``markers`` (all of the job's, the newest :data:`MAX_MARKERS`):
-
-* ``incident``: every incident of the job, at ``step_at_detect``;
-* ``checkpoint``: every checkpoint the job reported, at its step (``(invalid)`` when found bad);
-* ``fault``: every ``fault_fired`` event, at the step the fault hit (its ``hit_step``, else the step it records);
-* ``restart``: every ``incident_recovered`` event (the monitor counts a restart there), placed at the
-  incident's ``recovered_at`` (the first step after the restart); and the first step of every run of
-  re-run steps that no such event covers (a restart Ray made on its own);
-* ``eviction``: every ``node_evicted`` event, while the job ran, of a node that held its ranks (an
-  incident of the job names it, its heartbeat lists the job's ranks, or its ranks reported one of
-  the 20 steps before).
-
-An event without a step is placed at the job's step at that time: the step running then (its kept
-attempt ``[start_ts, ts]`` holds it), else the step that ended last before it.
+window. ``markers``: the job's markers, rules in :mod:`controller.view_markers`.
 
 **Heatmap.** Rows: ``ceil(n / max_ranks)`` consecutive ranks each (``n`` = highest rank - lowest + 1);
 columns: ``ceil(m / max_steps)`` consecutive steps each, over the ``m`` steps from the first with data at
@@ -76,9 +64,8 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import BigInteger, cast, distinct, func, select
@@ -86,134 +73,23 @@ from sqlalchemy.orm import Session
 
 from controller.host_history import HOST_FIELDS
 from controller.models import (
-    Checkpoint,
     CollectiveMetric,
-    Event,
-    Fault,
-    Incident,
     Job,
     JobStepStat,
-    Node,
     NodeHostSample,
     RankStepStat,
     StepMetric,
-    TelemetryDirtyStep,
 )
 from controller.schemas import (
-    JobMarker,
     JobOverviewPublic,
     NodeHistoryPublic,
     RankSummary,
     StepHeatmapPublic,
 )
 from controller.series import decimate
-from controller.step_stats import attempt_spans, p50, step_figures
-
-MAX_FORMING_STEPS = 64
-"""Forming (dirty) steps computed from their raw samples per request, the newest ones."""
-MAX_MARKERS = 2000
-"""Markers returned per overview, the newest."""
-EVICTION_LOOKBACK_STEPS = 20
-"""An evicted node counts as the job's when its ranks reported one of this many steps before the eviction."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Forming steps: which, and read from their raw rows
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Steps:
-    """The job's steps as one request sees them: which are forming and how each forming one is read."""
-
-    dirty: set[int]
-    forming: list[int]
-    """The newest :data:`MAX_FORMING_STEPS` dirty steps (ascending): read from raw rows."""
-    dups: set[int]
-    """Forming steps with several samples of a rank (a re-run): read row by row (latest wins)."""
-
-    @property
-    def clean(self) -> list[int]:
-        return [s for s in self.forming if s not in self.dups]
-
-
-def _steps(session: Session, job_id: str, since_step: int | None = None, *, dups: bool = True) -> _Steps:
-    """Read *before* the aggregates (see :func:`controller.series._dirty_steps`: a step is always
-    either dirty or aggregated, so none falls between the two reads). ``dups``: find the forming steps
-    with re-run samples (else ``dups`` is left empty: the caller reads the forming rows itself)."""
-    q = select(TelemetryDirtyStep.step).where(TelemetryDirtyStep.job_id == job_id)
-    if since_step is not None:
-        q = q.where(TelemetryDirtyStep.step >= since_step)
-    dirty = sorted(session.scalars(q))
-    forming = dirty[-MAX_FORMING_STEPS:]
-    found: set[int] = set()
-    if forming and dups:
-        S = StepMetric
-        found = set(session.scalars(
-            select(S.step).where(S.job_id == job_id, S.step.in_(forming)).group_by(S.step)
-            .having(func.count() > func.count(distinct(S.rank)))))
-    return _Steps(set(dirty), forming, found)
-
-
-def _latest_rows(session: Session, job_id: str, steps: Sequence[int],
-                 *cols: Any) -> tuple[dict[int, dict[int, Any]], set[int]]:
-    """Raw step rows of ``steps`` (columns ``step, rank, *cols``), the latest per (step, rank); and the
-    steps in which a rank had several (a re-run)."""
-    out: dict[int, dict[int, Any]] = defaultdict(dict)
-    dups: set[int] = set()
-    if not steps:
-        return out, dups
-    S = StepMetric
-    # Core, not ORM, execution (no per-row ORM processing); (step, id) is the order of the (job_id, step) index.
-    for r in session.connection().execute(select(S.step, S.rank, *cols).where(
-            S.job_id == job_id, S.step.in_(list(steps))).order_by(S.step, S.attempt, S.id)).all():
-        per = out[r[0]]
-        if r[1] in per:
-            dups.add(r[0])
-        per[r[1]] = r
-    return out, dups
-
-
-def _dup_attempts(session: Session, job_id: str,
-                  st: _Steps) -> dict[int, tuple[float, float, list[list[float]] | None]]:
-    """(kept attempt's start, its end, earlier attempts) of the forming steps with re-run samples."""
-    if not st.dups:
-        return {}
-    S = StepMetric
-    per: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
-    for step, rank, ts, t in session.execute(select(S.step, S.rank, S.ts, S.step_time_s).where(
-            S.job_id == job_id, S.step.in_(sorted(st.dups))).order_by(S.attempt, S.id)).all():
-        per[step].append((rank, ts, t))
-    out = {}
-    for step, samples in per.items():
-        start, reruns = attempt_spans(samples)
-        end = max({rank: ts for rank, ts, _ in samples}.values())  # the latest sample of each rank
-        if start is not None:
-            out[step] = (start, end, reruns)
-    return out
-
-
-def _step_at(session: Session, job_id: str, t: float, forming: dict[int, tuple[float, float]]) -> int | None:
-    """The job's step at time ``t``: the one running then (the first to end at or after ``t`` among
-    those started by then), else the one that ended last before it (None: none had). ``forming``:
-    step -> (start, end) of the forming steps."""
-    J = JobStepStat
-    spans = dict(forming)
-    nxt = session.execute(select(J.step, J.start_ts, J.ts, J.step_time_max_s).where(J.job_id == job_id, J.ts >= t)
-                          .order_by(J.ts).limit(1)).first()
-    if nxt is not None:
-        spans.setdefault(nxt.step, (nxt.start_ts if nxt.start_ts is not None else nxt.ts - (nxt.step_time_max_s or 0.0),
-                                    nxt.ts))
-    prev = session.execute(select(J.step, J.ts).where(J.job_id == job_id, J.ts <= t)
-                           .order_by(J.ts.desc()).limit(1)).first()
-    if prev is not None:
-        spans.setdefault(prev.step, (prev.ts, prev.ts))
-    running = [(end, step) for step, (start, end) in spans.items() if start <= t <= end]
-    if running:
-        return min(running)[1]
-    ended = [(end, step) for step, (_, end) in spans.items() if end <= t]
-    return max(ended)[1] if ended else None
-
+from controller.step_stats import p50, step_figures
+from controller.view_markers import job_markers
+from controller.view_steps import _latest_rows, _Steps, _steps
 
 # --------------------------------------------------------------------------------------------------
 # Overview
@@ -428,144 +304,6 @@ def _rank_nodes(session: Session, job_id: str, ranks: list[int], lo: int, last: 
 
 
 # --------------------------------------------------------------------------------------------------
-# Markers
-# --------------------------------------------------------------------------------------------------
-
-
-def _ts(dt: datetime | None) -> float | None:
-    return dt.timestamp() if dt is not None else None
-
-
-def job_markers(session: Session, job: Job, st: _Steps | None = None,
-                forming: dict[int, tuple[float, float]] | None = None) -> list[JobMarker]:
-    """The job's markers, oldest first (module docstring); ``forming``: step -> (start, end) of forming steps."""
-    job_id = job.id
-    st = st or _steps(session, job_id)
-    spans = forming or {}
-    out: list[JobMarker] = []
-
-    def step_at(t: float) -> int | None:
-        return _step_at(session, job_id, t, spans)
-
-    incidents = session.scalars(select(Incident).where(Incident.job_id == job_id)).all()
-    by_id = {inc.id: inc for inc in incidents}
-    for inc in incidents:
-        where = ", ".join(x for x in (f"node {inc.node_id}" if inc.node_id else "",
-                                      f"rank {inc.rank}" if inc.rank is not None else "") if x)
-        label = f"{inc.kind} detected" + (f" ({where})" if where else "") + (f": {inc.action}" if inc.action else "")
-        t = inc.detected_at.timestamp()
-        out.append(JobMarker(kind="incident", step=inc.step_at_detect if inc.step_at_detect is not None else step_at(t),
-                             ts=t, label=label, ref=str(inc.id)))
-    for ck in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all():
-        out.append(JobMarker(kind="checkpoint", step=ck.step, ts=ck.created_at.timestamp(),
-                             label=f"checkpoint at step {ck.step}" + ("" if ck.valid else " (invalid)"), ref=str(ck.id)))
-    restart_steps: set[int] = set()
-    rerun = _rerun_starts(session, job_id, st)
-    runs = rerun_runs(rerun)
-    for ev in session.scalars(select(Event).where(
-            Event.job_id == job_id, Event.kind.in_(["fault_fired", "incident_recovered"]))).all():
-        data = ev.data or {}
-        if ev.kind == "fault_fired":
-            step = data.get("step")
-            t = ev.ts.timestamp()
-            fault = session.get(Fault, data["fault_id"]) if isinstance(data.get("fault_id"), int) else None
-            if fault is not None and fault.hit_step is not None:
-                step = fault.hit_step  # the step it really hit (the rank's report, or the agent's)
-            elif fault is not None and isinstance(step, int):
-                # Not reported yet: a fault the rank fires itself is armed at once and hits at its own
-                # step; one the agent carries out fires once the job has reached it.
-                step = max(step, fault.step)
-            out.append(JobMarker(kind="fault", step=step if isinstance(step, int) else step_at(t), ts=t,
-                                 label=ev.message, ref=str(data["fault_id"]) if "fault_id" in data else None))
-        else:
-            inc = by_id.get(data.get("incident_id")) if isinstance(data.get("incident_id"), int) else None
-            # The incident's recovered_at: when the ranks ran their first step after the restart.
-            t = (inc.recovered_at if inc is not None and inc.recovered_at is not None else ev.ts).timestamp()
-            step = step_at(t)
-            if step is not None:
-                step = snap_to_run(step, runs)  # the first re-run step, when the restart caused a re-run
-                restart_steps.add(step)
-            out.append(JobMarker(kind="restart", step=step, ts=t, label=ev.message,
-                                 ref=str(inc.id) if inc is not None else None))
-    out += [JobMarker(kind="restart", step=step, ts=rerun[step], label=f"steps from {step} on re-run after a restart")
-            for step in uncovered_runs(rerun, restart_steps)]
-    out += _evictions(session, job, {inc.node_id for inc in incidents if inc.node_id}, step_at)
-    out.sort(key=lambda m: (m.ts, m.kind))
-    return out[-MAX_MARKERS:]
-
-
-def _rerun_starts(session: Session, job_id: str, st: _Steps) -> dict[int, float]:
-    """Steps run more than once -> when their kept attempt started."""
-    J = JobStepStat
-    starts: dict[int, float] = {}
-    for step, start, ts in session.execute(
-        select(J.step, J.start_ts, J.ts).where(J.job_id == job_id, J.reruns.is_not(None), J.step.not_in(st.forming))
-    ).all():
-        starts[step] = start if start is not None else ts
-    for step, (start, _, reruns) in _dup_attempts(session, job_id, st).items():
-        if reruns:
-            starts[step] = start
-    return starts
-
-
-def rerun_runs(rerun: Iterable[int]) -> list[list[int]]:
-    """Runs of consecutive re-run steps, ascending."""
-    runs: list[list[int]] = []
-    for step in sorted(rerun):
-        if runs and step == runs[-1][-1] + 1:
-            runs[-1].append(step)
-        else:
-            runs.append([step])
-    return runs
-
-
-def snap_to_run(step: int, runs: Sequence[Sequence[int]]) -> int:
-    """A recorded restart is placed by its time, which can land a step or so into the re-run it caused (or
-    just before it): the run's first step then, else ``step``."""
-    return next((run[0] for run in runs if run[0] - 1 <= step <= run[-1]), step)
-
-
-def uncovered_runs(rerun: Iterable[int], covered: set[int]) -> list[int]:
-    """The first step of each run of consecutive re-run steps that no recorded restart falls in (the re-run
-    then gets a restart marker of its own)."""
-    return [run[0] for run in rerun_runs(rerun) if not any(run[0] - 1 <= c <= run[-1] for c in covered)]
-
-
-def _evictions(session: Session, job: Job, incident_nodes: set[str], step_at: Any) -> list[JobMarker]:
-    since = job.started_at or job.created_at
-    q = select(Event).where(Event.kind == "node_evicted", Event.ts >= since)
-    if job.finished_at is not None:
-        q = q.where(Event.ts <= job.finished_at)
-    out = []
-    for ev in session.scalars(q).all():
-        t = ev.ts.timestamp()
-        step = step_at(t)
-        if ev.node_id is None or not _held_ranks(session, job.id, ev.node_id, step, incident_nodes):
-            continue
-        out.append(JobMarker(kind="eviction", step=step, ts=t, label=ev.message, ref=ev.node_id))
-    return out
-
-
-def _held_ranks(session: Session, job_id: str, node_id: str, step: int | None, incident_nodes: set[str]) -> bool:
-    """Whether ``node_id`` held ranks of the job around ``step`` (module docstring)."""
-    if node_id in incident_nodes:
-        return True
-    node = session.get(Node, node_id)
-    if node is not None and any(isinstance(r, dict) and r.get("job_id") == job_id for r in node.ranks or []):
-        return True
-    if step is None:
-        return False
-    R = RankStepStat
-    if session.scalar(select(R.rank).where(R.job_id == job_id, R.step >= step - EVICTION_LOOKBACK_STEPS,
-                                           R.step <= step, R.node_id == node_id).limit(1)) is not None:
-        return True
-    S = StepMetric
-    return session.scalar(select(S.rank).where(S.job_id == job_id, S.node_id == node_id,
-                                               S.step >= step - EVICTION_LOOKBACK_STEPS, S.step <= step)
-                          .limit(1)) is not None
-
-
-# --------------------------------------------------------------------------------------------------
 # Heatmap
 # --------------------------------------------------------------------------------------------------
 
@@ -655,5 +393,5 @@ def node_history(session: Session, node_id: str, *, since_ts: float | None = Non
 
 
 __all__ = [
-    "MAX_FORMING_STEPS", "MAX_MARKERS", "job_heatmap", "job_markers", "job_overview", "node_history",
+    "job_heatmap", "job_overview", "node_history",
 ]

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from sqlalchemy import func, insert, select, update
 
-from controller import migrate, views
+from controller import migrate, view_steps
 from controller.client import ApiError
 from controller.db import make_engine, session_scope
 from controller.goodput import StepRun, Timeline, goodput_from
@@ -171,7 +171,7 @@ def test_overview_stops_before_a_forming_step_it_cannot_show(live_controller: Li
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the newest forming steps are computed from raw samples: an older one without an aggregate
     ends the answer just before it, so a client asking from last_step + 1 gets it later, never skips it."""
-    monkeypatch.setattr(views, "MAX_FORMING_STEPS", 4)
+    monkeypatch.setattr(view_steps, "MAX_FORMING_STEPS", 4)
     lc = live_controller
     job = running_job(lc)
     t0 = time.time() - 100
@@ -680,7 +680,7 @@ def test_host_extraction_never_fails_on_odd_input(host: dict[str, Any]) -> None:
 def test_a_recorded_restart_inside_its_rerun_steps_is_one_restart_not_two() -> None:
     """The monitor's restart is placed by its time (recovered_at), which can fall one step into the
     re-run steps it caused; the re-run itself must then add no second restart marker."""
-    from controller.views import rerun_runs, snap_to_run, uncovered_runs
+    from controller.view_markers import rerun_runs, snap_to_run, uncovered_runs
 
     assert uncovered_runs({21, 22, 23}, covered={22}) == []
     assert uncovered_runs({21, 22, 23}, covered={20}) == []  # placed on the step just before
