@@ -85,6 +85,48 @@ def local_address_towards(url: str) -> str:
             return ""
 
 
+def _executor_config(config: AgentConfig) -> ExecutorConfig:
+    """What the commands need to know about this node, from the agent's config."""
+    return ExecutorConfig(
+        node_id=config.node_id,
+        run_dir=Path(config.run_dir),
+        storage_root=config.storage_root,
+        raylet_pid=config.raylet_pid,
+        ray_start_pid=config.ray_start_pid,
+        ray_gcs_address=config.ray_gcs_address,
+        ray_join_cmd=config.ray_join_cmd,
+        rank_group=config.socket_group,
+        pyspy_timeout_s=config.pyspy_timeout_s,
+        raylet_stop_grace_s=config.raylet_stop_grace_s,
+        raylet_start_wait_s=config.raylet_start_wait_s,
+    )
+
+
+def _default_collectors(config: AgentConfig) -> list[Collector]:
+    """The node's collectors in production: host, NICs, InfiniBand, GPUs, and a ``--netns`` node's shaped link."""
+    assert config.spool_dir is not None
+    return [
+        HostCollector(disk_paths=[*config.disk_paths, config.spool_dir.parent]),
+        NicCollector(),
+        InfinibandCollector(),
+        GpuCollector(),
+        *netfaults.node_collectors(),  # a --netns node's shaped link (rate, queues), from tc
+    ]
+
+
+def _shipper_config(config: AgentConfig) -> ShipperConfig:
+    """The shipper's batching, heartbeat and backoff settings, from the agent's config."""
+    return ShipperConfig(
+        agent_id=config.agent_id,
+        node_id=config.node_id,
+        max_batch_items=config.max_batch_items,
+        flush_interval_s=config.flush_interval_s,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        backoff_initial_s=config.backoff_initial_s,
+        backoff_max_s=config.backoff_max_s,
+    )
+
+
 class Agent:
     """The agent's parts, built from a config. ``start``/``step``/``stop`` for tests and run_agent."""
 
@@ -119,61 +161,32 @@ class Agent:
         self.commands: CommandRunner | None = None
         self._command_loop: CommandLoop | None = None
         if config.commands and (command_transport is not None or transport is None):
-            if command_transport is None:
-                # Its own connection: a slow poll never waits behind a telemetry post, or the reverse.
-                self._command_client = FailoverClient.connect(
-                    config.controller_urls, token=config.token, timeout=config.http_timeout_s, purpose="commands"
-                )
-                command_transport = ClientCommandTransport(self._command_client, config.node_id)
-            executor = CommandExecutor(
-                ExecutorConfig(
-                    node_id=config.node_id,
-                    run_dir=Path(config.run_dir),
-                    storage_root=config.storage_root,
-                    raylet_pid=config.raylet_pid,
-                    ray_start_pid=config.ray_start_pid,
-                    ray_gcs_address=config.ray_gcs_address,
-                    ray_join_cmd=config.ray_join_cmd,
-                    rank_group=config.socket_group,
-                    pyspy_timeout_s=config.pyspy_timeout_s,
-                    raylet_stop_grace_s=config.raylet_stop_grace_s,
-                    raylet_start_wait_s=config.raylet_start_wait_s,
-                ),
-                rank_pids=self.receiver.ranks.pids,
-            )
-            self.commands = CommandRunner(
-                config.node_id, command_transport, executor, on_node_lost=self._lost
-            )
-            self._command_loop = CommandLoop(self.commands, interval_s=config.heartbeat_interval_s)
+            self._build_commands(command_transport)
         if transport is None:
             self._client = FailoverClient.connect(
                 config.controller_urls, token=config.token, timeout=config.http_timeout_s, purpose="telemetry"
             )
             transport = ClientTransport(self._client)
         if collectors is None:
-            collectors = [
-                HostCollector(disk_paths=[*config.disk_paths, config.spool_dir.parent]),
-                NicCollector(),
-                InfinibandCollector(),
-                GpuCollector(),
-                *netfaults.node_collectors(),  # a --netns node's shaped link (rate, queues), from tc
-            ]
+            collectors = _default_collectors(config)
         self.collectors = CollectorLoop(collectors, interval_s=config.heartbeat_interval_s)
         self.shipper = Shipper(
-            ShipperConfig(
-                agent_id=config.agent_id,
-                node_id=config.node_id,
-                max_batch_items=config.max_batch_items,
-                flush_interval_s=config.flush_interval_s,
-                heartbeat_interval_s=config.heartbeat_interval_s,
-                backoff_initial_s=config.backoff_initial_s,
-                backoff_max_s=config.backoff_max_s,
-            ),
-            buffer=self.buffer,
-            spool=self.spool,
-            transport=transport,
+            _shipper_config(config), buffer=self.buffer, spool=self.spool, transport=transport,
             heartbeat=self.heartbeat,
         )
+
+    def _build_commands(self, command_transport: CommandTransport | None) -> None:
+        """The command runner and its loop, polling through ``command_transport`` (None: a client of its own)."""
+        config = self.config
+        if command_transport is None:
+            # Its own connection: a slow poll never waits behind a telemetry post, or the reverse.
+            self._command_client = FailoverClient.connect(
+                config.controller_urls, token=config.token, timeout=config.http_timeout_s, purpose="commands"
+            )
+            command_transport = ClientCommandTransport(self._command_client, config.node_id)
+        executor = CommandExecutor(_executor_config(config), rank_pids=self.receiver.ranks.pids)
+        self.commands = CommandRunner(config.node_id, command_transport, executor, on_node_lost=self._lost)
+        self._command_loop = CommandLoop(self.commands, interval_s=config.heartbeat_interval_s)
 
     def _lost(self) -> None:
         self.node_lost.set()
