@@ -12,6 +12,7 @@ what it saved.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -176,97 +177,13 @@ def restore(
     named = check_state({**state_of(model, strategy, data), **(state or {})})
     directory = resolve(directory)
     manifest = verify(directory, checksums=verify_checksums)
-    reader = dcp_reader(directory)
-    metadata = reader.read_metadata()
-    old_world = sum(1 for k in metadata.state_dict_metadata if k.startswith(f"{_META}/rank"))
-    if old_world != manifest.world_size:
-        raise InvalidCheckpoint(f"{directory}: {old_world} rank trees, the manifest says {manifest.world_size} ranks")
+    metadata = dcp_reader(directory).read_metadata()
+    old_world = _old_world_size(directory, metadata, manifest)
     src = rank if rank < old_world else None
-    template_rank = src if src is not None else 0
-    raw = _read(directory, metadata, [f"{_META}/rank{template_rank}"])[f"{_META}/rank{template_rank}"]
-    skeleton = json.loads(bytes(raw.numpy()).decode())
-    if skeleton.get("format") != FORMAT_VERSION:
-        raise InvalidCheckpoint(f"{directory}: rank tree format {skeleton.get('format')!r}")
-
-    saved_names = {k for k, _ in skeleton["tree"].get("__d__", [])} - RESERVED_KEYS
-    missing = sorted(set(named) - saved_names)
-    if missing:
-        raise ValueError(f"{directory}: the checkpoint holds no state named {missing} (it holds {sorted(saved_names)})")
-    skeleton["tree"]["__d__"] = [[k, v] for k, v in skeleton["tree"]["__d__"] if k in named or k in RESERVED_KEYS]
-    layout = _TreeLayout(named)
-    fresh = _rank_tree(0, named)
-    model_src = src if src is not None else rank % old_world
-    refs: list[_Ref] = []
-
-    def substitute(path: StatePath) -> Any:
-        kind = layout.boundary(path)
-        if kind == "current" or (kind == "local" and src is None and not layout.is_local_model(path)):
-            return _lookup(fresh, path)
-        return _KEEP
-
-    def leaf(path: StatePath, ref: dict[str, Any]) -> Any:
-        p = ref["__t__"]
-        length = layout.padded(path)
-        part = ref.get("part")
-        if part in ("replicated", "local"):
-            owner = model_src if layout.is_local_model(path) and src is None else template_rank
-            key = f"{_REP}/{p}" if part == "replicated" else f"rank{owner}/{p}"
-
-            def whole(got: dict[str, torch.Tensor], key: str = key, length: int | None = length) -> torch.Tensor:
-                return _resized(got[key], length)
-
-            r = _Ref(whole, [key])
-        elif part == "shard":
-            new = layout.part(path)
-            if not isinstance(new, Shard):
-                raise InvalidCheckpoint(f"{directory}: {p!r} was sharded; this strategy does not shard it")
-            numel, old_len = int(ref["numel"]), int(ref["length"])
-            if new.numel != numel:
-                raise InvalidCheckpoint(f"{directory}: {p!r} shards {numel} elements, this model has {new.numel}")
-            lo = rank * new.length
-            # Same layout: the slice verbatim, padding included (a strategy may keep rounding noise
-            # there, and exactness needs it). Another layout: the real elements, zero padding.
-            same = old_world == world_size and old_len == new.length
-            hi = (rank + 1) * new.length if same else min((rank + 1) * new.length, numel)
-            owners = list(range(lo // old_len, -(-hi // old_len))) if hi > lo and old_len > 0 else []
-            keys = [f"shard{j}/{p}" for j in owners]
-            dtype = getattr(torch, ref["dtype"].removeprefix("torch."))
-
-            def build(got: dict[str, torch.Tensor], lo: int = lo, hi: int = hi, owners: list[int] = owners,
-                      keys: list[str] = keys, length: int = new.length, old_len: int = old_len,
-                      dtype: torch.dtype = dtype) -> torch.Tensor:
-                out = torch.zeros(length, dtype=dtype)
-                for j, key in zip(owners, keys, strict=True):
-                    a, b = max(lo, j * old_len), min(hi, (j + 1) * old_len)
-                    out[a - lo : b - lo] = got[key][a - j * old_len : b - j * old_len]
-                return out
-
-            r = _Ref(build, keys)
-        else:
-            raise InvalidCheckpoint(f"{directory}: unknown part {part!r} at {p!r}")
-        refs.append(r)
-        return r
-
-    tree = _decode(skeleton["tree"], (), leaf, substitute)
-    got = _read(directory, metadata, [k for r in refs for k in r.keys])
-
-    def resolve_refs(node: Any) -> Any:
-        if isinstance(node, _Ref):
-            return node.build(got)
-        if isinstance(node, dict):
-            return {k: resolve_refs(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [resolve_refs(v) for v in node]
-        if isinstance(node, tuple):
-            return tuple(resolve_refs(v) for v in node)
-        return node
-
-    tree = resolve_refs(tree)
-    for name, obj in named.items():
-        obj.load_state_dict(tree[name])
-    torch.set_rng_state(tree[KEY_RNG][KEY_RNG_TORCH])
-    random.setstate(_as_python_rng_state(tree[KEY_RNG][KEY_RNG_PYTHON]))
-    step = int(tree[KEY_STEP])
+    skeleton = _read_skeleton(directory, metadata, src if src is not None else 0)
+    _keep_only(directory, skeleton, named)
+    rebuild = _Rebuild(directory, named, rank=rank, world_size=world_size, old_world=old_world, src=src)
+    step = _load_tree(named, rebuild.tree(skeleton["tree"], metadata))
     if old_world != world_size:
         for obj in named.values():
             after = getattr(obj, "after_restore", None)
@@ -277,6 +194,141 @@ def restore(
     else:
         log.info("rank %d restored step %d from %s", rank, step, directory)
     return step
+
+
+def _old_world_size(directory: Location, metadata: Any, manifest: Manifest) -> int:
+    """The world size the checkpoint was taken on: its rank trees, which must agree with its manifest."""
+    old_world = sum(1 for k in metadata.state_dict_metadata if k.startswith(f"{_META}/rank"))
+    if old_world != manifest.world_size:
+        raise InvalidCheckpoint(f"{directory}: {old_world} rank trees, the manifest says {manifest.world_size} ranks")
+    return old_world
+
+
+def _read_skeleton(directory: Location, metadata: Any, template_rank: int) -> dict[str, Any]:
+    """Old rank ``template_rank``'s tree as saved: its structure, tensors as references to DCP keys."""
+    key = f"{_META}/rank{template_rank}"
+    raw = _read(directory, metadata, [key])[key]
+    skeleton = json.loads(bytes(raw.numpy()).decode())
+    if skeleton.get("format") != FORMAT_VERSION:
+        raise InvalidCheckpoint(f"{directory}: rank tree format {skeleton.get('format')!r}")
+    return skeleton
+
+
+def _keep_only(directory: Location, skeleton: dict[str, Any], named: Mapping[str, Stateful]) -> None:
+    """Cut the skeleton's top level down to the names asked for (and the reserved ones); ValueError when
+    one asked for was never saved."""
+    saved_names = {k for k, _ in skeleton["tree"].get("__d__", [])} - RESERVED_KEYS
+    missing = sorted(set(named) - saved_names)
+    if missing:
+        raise ValueError(f"{directory}: the checkpoint holds no state named {missing} (it holds {sorted(saved_names)})")
+    skeleton["tree"]["__d__"] = [[k, v] for k, v in skeleton["tree"]["__d__"] if k in named or k in RESERVED_KEYS]
+
+
+class _Rebuild:
+    """This rank's state tree rebuilt from a checkpoint's skeleton (module docstring): which subtrees are
+    taken from the fresh state, and which saved tensors each tensor is read (pass 1) and built from (pass 2)."""
+
+    def __init__(self, directory: Location, named: Mapping[str, Stateful], *, rank: int, world_size: int,
+                 old_world: int, src: int | None) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.world_size = world_size
+        self.old_world = old_world
+        self.src = src
+        """The old rank whose local state this rank takes; None when there is none (a new rank)."""
+        self.template_rank = src if src is not None else 0
+        self.model_src = src if src is not None else rank % old_world
+        self.layout = _TreeLayout(named)
+        self.fresh = _rank_tree(0, named)
+        self.refs: list[_Ref] = []
+
+    def tree(self, skeleton_tree: Any, metadata: Any) -> Any:
+        """The rebuilt tree: the skeleton decoded, then every tensor it needs read at once and built."""
+        tree = _decode(skeleton_tree, (), self.leaf, self.substitute)
+        got = _read(self.directory, metadata, [k for r in self.refs for k in r.keys])
+        return _resolve_refs(tree, got)
+
+    def substitute(self, path: StatePath) -> Any:
+        kind = self.layout.boundary(path)
+        if kind == "current" or (kind == "local" and self.src is None and not self.layout.is_local_model(path)):
+            return _lookup(self.fresh, path)
+        return _KEEP
+
+    def leaf(self, path: StatePath, ref: dict[str, Any]) -> _Ref:
+        p = ref["__t__"]
+        length = self.layout.padded(path)
+        part = ref.get("part")
+        if part in ("replicated", "local"):
+            r = self._whole(path, p, part, length)
+        elif part == "shard":
+            r = self._shard(path, p, ref)
+        else:
+            raise InvalidCheckpoint(f"{self.directory}: unknown part {part!r} at {p!r}")
+        self.refs.append(r)
+        return r
+
+    def _whole(self, path: StatePath, p: str, part: str, length: int | None) -> _Ref:
+        """A replicated tensor, or a local one (from the old rank this rank takes it from)."""
+        owner = self.model_src if self.layout.is_local_model(path) and self.src is None else self.template_rank
+        key = f"{_REP}/{p}" if part == "replicated" else f"rank{owner}/{p}"
+        return _Ref(functools.partial(_whole_tensor, key=key, length=length), [key])
+
+    def _shard(self, path: StatePath, p: str, ref: dict[str, Any]) -> _Ref:
+        """This rank's shard, from the old shards that overlap its new slice."""
+        new = self.layout.part(path)
+        if not isinstance(new, Shard):
+            raise InvalidCheckpoint(f"{self.directory}: {p!r} was sharded; this strategy does not shard it")
+        numel, old_len = int(ref["numel"]), int(ref["length"])
+        if new.numel != numel:
+            raise InvalidCheckpoint(f"{self.directory}: {p!r} shards {numel} elements, this model has {new.numel}")
+        lo = self.rank * new.length
+        # Same layout: the slice verbatim, padding included (a strategy may keep rounding noise
+        # there, and exactness needs it). Another layout: the real elements, zero padding.
+        same = self.old_world == self.world_size and old_len == new.length
+        hi = (self.rank + 1) * new.length if same else min((self.rank + 1) * new.length, numel)
+        owners = list(range(lo // old_len, -(-hi // old_len))) if hi > lo and old_len > 0 else []
+        keys = [f"shard{j}/{p}" for j in owners]
+        dtype = getattr(torch, ref["dtype"].removeprefix("torch."))
+        build = functools.partial(_shard_tensor, lo=lo, hi=hi, owners=owners, keys=keys, length=new.length,
+                                  old_len=old_len, dtype=dtype)
+        return _Ref(build, keys)
+
+
+def _whole_tensor(got: dict[str, torch.Tensor], *, key: str, length: int | None) -> torch.Tensor:
+    return _resized(got[key], length)
+
+
+def _shard_tensor(got: dict[str, torch.Tensor], *, lo: int, hi: int, owners: list[int], keys: list[str],
+                  length: int, old_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the whole flat tensor, from the old shards ``owners`` (``keys``) of ``old_len``
+    each, zero-padded to ``length``."""
+    out = torch.zeros(length, dtype=dtype)
+    for j, key in zip(owners, keys, strict=True):
+        a, b = max(lo, j * old_len), min(hi, (j + 1) * old_len)
+        out[a - lo : b - lo] = got[key][a - j * old_len : b - j * old_len]
+    return out
+
+
+def _resolve_refs(node: Any, got: dict[str, torch.Tensor]) -> Any:
+    """``node`` with every :class:`_Ref` in it built from the tensors read (``got``)."""
+    if isinstance(node, _Ref):
+        return node.build(got)
+    if isinstance(node, dict):
+        return {k: _resolve_refs(v, got) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve_refs(v, got) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_resolve_refs(v, got) for v in node)
+    return node
+
+
+def _load_tree(named: Mapping[str, Stateful], tree: dict[str, Any]) -> int:
+    """Load each named object's state and the RNGs from the rebuilt tree; returns its step."""
+    for name, obj in named.items():
+        obj.load_state_dict(tree[name])
+    torch.set_rng_state(tree[KEY_RNG][KEY_RNG_TORCH])
+    random.setstate(_as_python_rng_state(tree[KEY_RNG][KEY_RNG_PYTHON]))
+    return int(tree[KEY_STEP])
 
 
 def _as_python_rng_state(s: Any) -> tuple[Any, ...]:
