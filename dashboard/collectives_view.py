@@ -49,8 +49,8 @@ def mark_estimated(label: str, estimated: bool) -> str:
 
 
 def estimated_tags(coll: JobCollectivesPublic | None) -> set[str]:
-    """The tags (tag, else op: as :func:`dashboard.collective_figures.bits_per_element_by_tag` names its lines) of
-    which some kind has estimated bytes."""
+    """The tags (tag, else op: as :func:`dashboard.collective_figures.bits_per_element_by_tag` names its
+    lines) of which some kind has estimated bytes."""
     return {c.tag or c.op for c in (coll.data if coll else []) if c.estimated}
 
 

@@ -189,8 +189,8 @@ def _extend(p: Patch, trace: int, x: list[Any], y: list[Any], **more: list[Any])
 def overview_patches(ov: JobOverviewPublic, cursor: Cursor) -> tuple[Any, Any, Any]:
     """Patches of the loss, throughput and step-time bands figures drawn for ``cursor``, from the
     incremental answer ``ov``: the drawn steps still forming (``cursor.tail``) deleted, ``ov``'s steps
-    appended (the figures' trace order is fixed by :mod:`dashboard.training_figures`, :mod:`dashboard.rank_figures`). The markers are redrawn
-    whole when their number changed (the overview returns all of them, whatever ``since_step``).
+    appended (the figures' trace order is fixed by :mod:`dashboard.training_figures` and
+    :mod:`dashboard.rank_figures`). The markers are redrawn whole when their number changed (the overview returns all of them, whatever ``since_step``).
     Figures that do not change come back as ``dash.no_update``."""
     from dash import no_update
 

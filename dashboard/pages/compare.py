@@ -2,8 +2,8 @@
 
 Pick jobs in the multi-select (or open ``/compare?jobs=a,b``); each job's curve is labelled
 ``name (optimizer)``. Per-step loss, time and wire bytes come from the job overview
-(``GET /jobs/{id}/overview``); bits sent are the cumulative wire bytes x 8 (:func:`dashboard.compare_views.cumulative_bits`).
-``compare-link`` is a link to the current selection. Component ids start with ``compare-``.
+(``GET /jobs/{id}/overview``); bits sent are the cumulative wire bytes x 8
+(:func:`dashboard.compare_views.cumulative_bits`). ``compare-link`` is a link to the current selection. Component ids start with ``compare-``.
 """
 
 from __future__ import annotations

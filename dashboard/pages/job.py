@@ -257,7 +257,8 @@ def refresh_job(n: int, job_id: str | None, cursor_data: dict[str, Any] | None) 
         ranks=new.ranks or None,
     )
     if full:
-        loss, tput, bands = (training_figures.overview_loss_figure(ov), training_figures.overview_throughput_figure(ov),
+        loss, tput, bands = (training_figures.overview_loss_figure(ov),
+                             training_figures.overview_throughput_figure(ov),
                              rank_figures.step_time_bands_figure(ov))
     else:
         assert cursor is not None
@@ -332,14 +333,17 @@ def _breakdown_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int |
     steps = client.job_steps(job_id, since_step=_window_start(cursor), ranks=sample, max_points=WINDOW_STEPS,
                              max_ranks=job_views.SAMPLE_RANKS + 1)
     sampled = len(steps.data) if sample is not None else None
-    return [breakdown_figures.breakdown_step_figure(steps, rank, sampled), breakdown_figures.breakdown_rank_figure(steps, cursor.stragglers)]
+    return [breakdown_figures.breakdown_step_figure(steps, rank, sampled),
+            breakdown_figures.breakdown_rank_figure(steps, cursor.stragglers)]
 
 
 def _communication_tab(client: VigilClient, job_id: str, cursor: Cursor, rank: int | None) -> list[Any]:
     coll = client.job_collectives(job_id, since_step=_window_start(cursor), max_points=WINDOW_STEPS)
     stats = collective_figures.collective_stats(coll)
-    return [collective_figures.collective_time_figure(stats, job_id), collective_figures.collective_wait_figure(stats, job_id),
-            collective_figures.collective_bandwidth_figure(stats, job_id), collective_figures.bits_per_element_figure(coll),
+    return [collective_figures.collective_time_figure(stats, job_id),
+            collective_figures.collective_wait_figure(stats, job_id),
+            collective_figures.collective_bandwidth_figure(stats, job_id),
+            collective_figures.bits_per_element_figure(coll),
             collective_rows(stats), collectives_view.estimated_note(coll)]
 
 

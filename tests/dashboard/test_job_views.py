@@ -57,7 +57,8 @@ def test_patches_extend_the_figures_to_what_a_full_rebuild_draws() -> None:
     loss_p, tput_p, bands_p = job_views.overview_patches(newer, cursor)
 
     whole = js.overview(steps=range(15), val_every=4, markers=more_markers)
-    for build, patch in ((training_figures.overview_loss_figure, loss_p), (training_figures.overview_throughput_figure, tput_p),
+    for build, patch in ((training_figures.overview_loss_figure, loss_p),
+                         (training_figures.overview_throughput_figure, tput_p),
                          (rank_figures.step_time_bands_figure, bands_p)):
         patched = _apply(build(first).to_plotly_json(), patch)
         expected = build(whole).to_plotly_json()
@@ -108,7 +109,8 @@ def test_new_markers_alone_patch_only_the_loss_markers() -> None:
     loss, tput, bands = job_views.overview_patches(js.overview(steps=range(0), markers=[js.marker("fault", 9)]), cursor)
     assert isinstance(loss, Patch) and tput is dash.no_update and bands is dash.no_update
     ops = loss.to_plotly_json()["operations"]
-    assert {"operation": "Assign", "location": ["data", training_figures.MARKER_TRACE0 + 4, "x"], "params": {"value": [9]}} in ops
+    marker4 = training_figures.MARKER_TRACE0 + 4
+    assert {"operation": "Assign", "location": ["data", marker4, "x"], "params": {"value": [9]}} in ops
 
 
 def test_rebuild_on_first_load_after_a_restart_or_when_too_long() -> None:
