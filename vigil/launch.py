@@ -9,7 +9,7 @@ before the script runs it installs torch's global optimizer-step hooks, which op
 session at the first optimizer step (when the script has made its process group) and from then on
 delimit its steps (:mod:`vigil.rank.autostep`); the session reads the collectives from the Flight
 Recorder and watches for stalls as for any rank. A script that uses the rank API (``vigil.init()``)
-gets the same session at once (:func:`context_from_env`; its process group made from the same
+gets the same session at once (:func:`vigil.launch_context.context_from_env`; its process group made from the same
 environment if the script made none).
 
 The child's Vigil context (job, node agent socket, fault file, checkpoint root, the job spec and
@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from controller.schemas import TRAINING_THREAD
+from vigil.launch_context import CONTEXT_ENV, launched
 
 log = logging.getLogger(__name__)
 
-CONTEXT_ENV = "VIGIL_RANK_CONTEXT"
-"""Path of the JSON file with the child's Vigil context (:func:`write_context`)."""
 SUMMARY_NAME = "summary.json"
 PARENT_ENV = "VIGIL_LAUNCH_PARENT"
 JOB_DIR_ENV = "VIGIL_JOB_DIR"
@@ -57,51 +56,6 @@ def write_context(path: Path, *, job_id: str, node_id: str, socket_path: str, fa
         "spec": spec, "config": config, "summary": str(path.with_name(SUMMARY_NAME)),
     }))
     return path
-
-
-def launched() -> dict[str, Any] | None:
-    """This process's context when it is a launched script rank, else None."""
-    path = os.environ.get(CONTEXT_ENV)
-    if not path:
-        return None
-    try:
-        return dict(json.loads(Path(path).read_text()))
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"{CONTEXT_ENV}={path}: unreadable ({e})") from e
-
-
-def ensure_process_group() -> None:
-    """The process group from torchrun's environment, unless the script made one (gloo on CPU, NCCL on GPU)."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-
-
-def context_from_env(ctx: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-    """``(RankContext, JobCreate, config)`` of a launched rank; makes the process group if needed."""
-    import torch.distributed as dist
-
-    from controller.checkpoint_layout import as_location
-    from controller.schemas import JobCreate
-    from vigil.rank.context import RankContext
-    from vigil.telemetry import RankTelemetry
-
-    ensure_process_group()
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-    rc = RankContext(
-        rank=rank, world_size=world, job_id=ctx["job_id"], node_id=ctx["node_id"],
-        telemetry=RankTelemetry(ctx["socket_path"]), checkpoint_root=as_location(ctx["checkpoint_root"]),
-        restore_dir=Path(ctx["restore_dir"]) if ctx.get("restore_dir") else None,
-        report_interval=int(ctx["report_interval"]),
-        fault_file=Path(ctx["fault_file"]) if ctx.get("fault_file") else None,
-        optimizer_hooks=False,  # this module's hooks forward to the session
-    )
-    return rc, JobCreate.model_validate(ctx["spec"]), dict(ctx.get("config") or {})
 
 
 class _Bootstrap:

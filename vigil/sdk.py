@@ -66,7 +66,7 @@ from torch import nn
 from controller.checkpoint_layout import as_location
 from controller.schemas import JobCreate
 from controller.settings import ENV_CHECKPOINT_ROOT, ENV_JOB_ID
-from vigil import launch
+from vigil.launch_context import context_from_env, launched
 from vigil.rank.context import (
     MAX_PREEMPTION_CHECK_STEPS,
     PHASES,
@@ -103,8 +103,8 @@ def init(ctx: RankContext | None = None, spec: JobCreate | None = None,
         if ctx is not None:
             raise RuntimeError("init(ctx): a session is already open on this process")
         return _current
-    if ctx is None and (launched := launch.launched()) is not None:  # a script rank of a Vigil job
-        ctx, spec_, config_ = launch.context_from_env(launched)
+    if ctx is None and (found := launched()) is not None:  # a script rank of a Vigil job
+        ctx, spec_, config_ = context_from_env(found)
         _current = Session(ctx, spec or spec_, config if config is not None else config_)
         return _current
     if ctx is None:
