@@ -35,7 +35,7 @@ browser:
 	fi
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check agent controller dashboard vigil trainer migrations tests examples
+	$(VENV)/bin/ruff check agent controller dashboard vigil trainer migrations tests examples ops
 
 clean:
 	rm -rf $(VENV) .vigil .pytest_cache

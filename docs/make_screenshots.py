@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from controller.cli.jobs import demo_job_spec
+from ops.cli.jobs import demo_job_spec
 from controller.client import VigilClient
-from controller.localcluster import start_local_cluster
+from ops.localcluster import start_local_cluster
 from controller.probe import free_port
 from controller.schemas import FaultCreate, FaultKind, JobCreate
 

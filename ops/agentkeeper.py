@@ -28,7 +28,7 @@ import psutil
 from controller.background import BackgroundLoop
 
 if TYPE_CHECKING:
-    from controller.processes import ProcessGroup
+    from ops.processes import ProcessGroup
 
 log = logging.getLogger(__name__)
 

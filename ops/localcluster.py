@@ -28,14 +28,14 @@ from typing import Self
 
 import httpx
 
-from controller.agentkeeper import AgentKeeper, raylet_running
 from controller.checkpoint_layout import is_uri
-from controller.netns import LinkSpec, NetnsCluster
-from controller.netns import cleanup_stale as cleanup_stale_netns
 from controller.probe import free_port, wait_for
-from controller.processes import Child, ProcessGroup, clean_stale, kill_session  # noqa: F401 - re-exported
 from controller.rankuser import isolate
 from controller.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
+from ops.agentkeeper import AgentKeeper, raylet_running
+from ops.netns import LinkSpec, NetnsCluster
+from ops.netns import cleanup_stale as cleanup_stale_netns
+from ops.processes import Child, ProcessGroup, clean_stale, kill_session  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class LocalCluster:
     rank_user: str | None = None
     """The user the ranks run as (controller/rankuser.py); None: this process's own."""
     keeper: AgentKeeper | None = None
-    """Starts a dead agent again while its node's raylet runs (controller/agentkeeper.py)."""
+    """Starts a dead agent again while its node's raylet runs (ops/agentkeeper.py)."""
 
     def stop(self, discard_storage: bool = False) -> None:
         """Stop every process; ``discard_storage``: also remove the checkpoints (tests)."""
@@ -213,7 +213,7 @@ def start_local_cluster(
     it. The agents get every controller's URL (``VIGIL_CONTROLLER_URL`` and ``--controller``, comma-separated).
 
     ``netns``: every worker node (raylet and agent) in its own network namespace with a veth ``eth0``
-    shaped as ``link`` (controller/netns.py); the head, the controller and the dashboard stay in the
+    shaped as ``link`` (ops/netns.py); the head, the controller and the dashboard stay in the
     host's namespace, on 127.0.0.1 for the user and on the bridge address for the nodes. The head has
     no CPUs either way, so ranks run only on worker nodes (namespaced: where gloo uses ``eth0``).
     Without root (or ``ip``/``tc``) it says why in one line and starts the plain cluster.
@@ -303,7 +303,7 @@ def start_local_cluster(
                          VIGIL_STORAGE_PATH=str(iso.storage))
         if database_url:
             vigil_env["VIGIL_DATABASE_URL"] = database_url
-        vigil = [sys.executable, "-m", "controller.cli"]
+        vigil = [sys.executable, "-m", "ops.cli"]
         listen = ["--extra-host", head_ip, "--allow-remote"] if net else []
         # The first controller alone until it answers: it takes the leader lock before its API is up,
         # so it leads and the standbys started after it wait.
@@ -366,7 +366,7 @@ def _agent_port() -> list[str]:
 
 def _create_netns(home: Path, nodes: int, link: LinkSpec | None) -> NetnsCluster | None:
     """The namespaces of ``vigil up --netns``, or None (with one line saying why) where they cannot be made."""
-    from controller import netns
+    from ops import netns
 
     reason = netns.unavailable_reason()
     if reason:

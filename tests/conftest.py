@@ -26,7 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     whether this process can talk to the later ones (seen: a Ray Train test run before the
     end-to-end ones left the process unable to reach any `vigil up` cluster).
     """
-    from controller.localcluster import ensure_ray_token
+    from ops.localcluster import ensure_ray_token
 
     ensure_ray_token()
 

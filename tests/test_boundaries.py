@@ -1,8 +1,8 @@
 """Package boundaries of DESIGN.md, the whole layering:
 
-    operator tools (controller/cli, localcluster, processes, agentkeeper, netns, controller/bench,
-    vigil/bench): may compose anything
-    server (the rest of controller/)   agent   vigil (the rank runtime and API)   dashboard   examples
+    operator tools (ops/: cli, localcluster, processes, agentkeeper, netns, bench; and vigil/bench):
+    may compose anything, and nothing imports them
+    server (controller/ outside the contract)   agent   vigil (the rank runtime and API)   dashboard   examples
     the contract (CONTRACT below): standard library, pydantic, httpx; nothing of the packages above
 
 Agent and dashboard import neither torch nor ray; the server never imports the trainer, the agent or
@@ -24,13 +24,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 FORBIDDEN = {
-    "agent": {"torch", "ray", "vigil", "dashboard"},
-    "dashboard": {"torch", "ray", "vigil", "agent"},
-    "controller": {"vigil", "examples"},
+    "agent": {"torch", "ray", "vigil", "dashboard", "ops"},
+    "dashboard": {"torch", "ray", "vigil", "agent", "ops"},
+    "controller": {"vigil", "examples", "ops"},
     # The trainer is a library the examples use, never the other way round (no private path).
-    "vigil": {"examples", "agent", "dashboard"},
+    "vigil": {"examples", "agent", "dashboard", "ops"},
+    "trainer": {"ops"},
     # Examples are written as a user writes them: the rank API and the contract, nothing internal.
-    "examples": {"agent", "dashboard", "ray"},
+    "examples": {"agent", "dashboard", "ray", "ops"},
 }
 EXEMPT = ("vigil/bench/", "examples/ray_train_unchanged/")
 """Benchmarks are operator tools that compose the packages (they run the examples); the Ray Train example
@@ -43,21 +44,20 @@ CONTRACT = frozenset({
 })
 """What every package may import from controller/: wire models, the typed client, settings and the
 shared paths, optimizer params, the checkpoint layout, waiting, background loops, link shaping."""
-OPERATOR = ("controller/cli/", "controller/localcluster.py", "controller/processes.py", "controller/agentkeeper.py",
-            "controller/netns.py", "controller/bench/", "vigil/bench/")
+OPERATOR = ("ops/", "vigil/bench/")
 """Composition roots: they start and wire the packages together."""
 DASHBOARD_MOUNT = "controller/app.py"
 
 
 def _modules(path: Path) -> set[str]:
-    """Full names of the modules ``path`` imports (``from controller import netns``: controller.netns)."""
+    """Full names of the modules ``path`` imports (``from ops import netns``: ops.netns)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module in {"controller", "agent", "vigil", "dashboard"}:  # from controller import netns
+            if node.module in {"controller", "agent", "vigil", "dashboard", "ops"}:  # from ops import netns
                 out |= {f"{node.module}.{a.name}" for a in node.names}
             else:
                 out.add(node.module)
@@ -124,8 +124,7 @@ def test_the_contract_stands_alone() -> None:
 
 
 def test_the_server_imports_no_operator_tool_and_no_other_package() -> None:
-    operator_modules = {"controller.cli", "controller.localcluster", "controller.processes", "controller.agentkeeper",
-                        "controller.netns", "controller.bench"}
+    operator_modules = {"ops"}
     offenders = {}
     for p in _sources("controller"):
         rel = _rel(p)
@@ -145,7 +144,8 @@ def test_the_server_imports_no_operator_tool_and_no_other_package() -> None:
     [
         (["agent.main"], ["torch", "ray", "vigil"]),
         (["dashboard.app"], ["torch", "ray", "vigil"]),
-        (["controller.app", "controller.cli"], ["vigil"]),
+        (["controller.app"], ["vigil", "ops", "agent"]),
+        (["ops.cli"], ["vigil"]),
     ],
 )
 def test_runtime_imports_respect_boundaries(modules: list[str], forbidden: list[str]) -> None:
@@ -181,7 +181,7 @@ def _top_level_imports(path: Path, known: set[str]) -> set[str]:
 
 def test_no_import_cycles() -> None:
     """No module imports, at import time, a module that imports it back (directly or around a circle)."""
-    paths = {_module_name(p): p for p in _sources("agent", "controller", "dashboard", "vigil", "examples")}
+    paths = {_module_name(p): p for p in _sources("agent", "controller", "dashboard", "vigil", "examples", "ops")}
     graph = {m: _top_level_imports(p, set(paths)) - {m} for m, p in paths.items()}  # a package naming itself
     cycles: list[list[str]] = []
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -199,3 +199,180 @@ def test_no_import_cycles() -> None:
         if m not in state:
             visit(m, [m])
     assert cycles == [], f"import cycles: {cycles}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Import cycles (deferred imports too), file and function sizes
+# --------------------------------------------------------------------------------------------------
+
+CHECKED = ("agent", "controller", "dashboard", "vigil", "trainer")
+"""The first-party packages the cycle and size rules cover."""
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _checked_files(root: Path, packages: tuple[str, ...] = CHECKED) -> list[Path]:
+    """Every ``.py`` file of ``packages`` under ``root``, those in a ``tests`` or ``migrations`` folder excepted."""
+    return sorted(p for pkg in packages for p in (root / pkg).rglob("*.py")
+                  if not {"tests", "migrations"} & set(p.relative_to(root).parts))
+
+
+def _dotted(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _known(name: str, known: set[str]) -> str | None:
+    """The longest prefix of ``name`` that is a first-party module (``a.b.func``: ``a.b``), None if none."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if (prefix := ".".join(parts[:n])) in known:
+            return prefix
+    return None
+
+
+def _import_base(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module a ``from ... import`` names: ``from . import x`` in ``a.b.c`` is ``a.b``; absolute as written."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _imports_of(path: Path, module: str, known: set[str]) -> set[str]:
+    """First-party modules ``path`` imports anywhere in it (in functions and ``TYPE_CHECKING`` blocks too: a
+    deferred import hides a circle, it does not break it); ``from pkg import mod`` is ``pkg.mod`` when
+    ``mod`` is a module, else ``pkg``."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {m for a in node.names if (m := _known(a.name, known))}
+        elif isinstance(node, ast.ImportFrom):
+            base = _import_base(node, module, path.name == "__init__.py")
+            for a in node.names:
+                if (m := _known(f"{base}.{a.name}", known) if a.name != "*" else _known(base, known)):
+                    out.add(m)
+    return out - {module}
+
+
+def _import_graph(root: Path, packages: tuple[str, ...] = CHECKED) -> dict[str, set[str]]:
+    """First-party module -> the first-party modules it imports."""
+    paths = {_dotted(p, root): p for p in _checked_files(root, packages)}
+    return {m: _imports_of(p, m, set(paths)) for m, p in paths.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each circle a depth-first walk finds (one per edge back onto its path), as ``a -> b -> a``."""
+    found: list[str] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                found.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return found
+
+
+def _long_files(root: Path, packages: tuple[str, ...] = CHECKED, limit: int = MAX_FILE_LINES) -> list[str]:
+    """``path (N lines)`` of each checked file over ``limit`` lines."""
+    counts = {p: len(p.read_text().splitlines()) for p in _checked_files(root, packages)}
+    return [f"{p.relative_to(root)} ({n} lines)" for p, n in counts.items() if n > limit]
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function and method in ``tree`` with its qualified name (``Class.method``, ``outer.inner``)."""
+    out: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                out.append((name, node))
+            out += _functions(node, name + ".")
+        else:
+            out += _functions(node, prefix)
+    return out
+
+
+def _long_functions(root: Path, packages: tuple[str, ...] = CHECKED, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (N lines)`` of each function over ``limit`` lines (``def`` to its last line)."""
+    out = []
+    for path in _checked_files(root, packages):
+        for name, fn in _functions(ast.parse(path.read_text(), filename=str(path))):
+            n = (fn.end_lineno or fn.lineno) - fn.lineno + 1
+            if n > limit:
+                out.append(f"{path.relative_to(root)}:{fn.lineno} {name} ({n} lines)")
+    return out
+
+
+def test_no_import_cycle_among_first_party_modules_even_deferred() -> None:
+    cycles = _cycles(_import_graph(ROOT))
+    assert cycles == [], "import cycles (deferred imports counted):\n" + "\n".join(cycles)
+
+
+def test_no_source_file_over_500_lines() -> None:
+    long = _long_files(ROOT)
+    assert long == [], f"files over {MAX_FILE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_function_over_80_lines() -> None:
+    long = _long_functions(ROOT)
+    assert long == [], f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def _fake_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_the_cycle_check_finds_a_circle_through_a_deferred_relative_import(tmp_path: Path) -> None:
+    _fake_tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg import b\n",  # pkg.b, the module
+        "pkg/b.py": "def f():\n    from .c import g\n    return g\n",  # in a function, relative
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\ndef g(): ...\n",
+        "pkg/d.py": "import pkg.a\nfrom pkg.c import g\n",  # into the circle, not part of it
+    })
+    graph = _import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.c"} and graph["pkg.c"] == {"pkg.a"}
+    assert _cycles(graph) == ["pkg.a -> pkg.b -> pkg.c -> pkg.a"]
+
+
+def test_the_cycle_check_passes_a_tree_without_circles(tmp_path: Path) -> None:
+    _fake_tree(tmp_path, {
+        "pkg/__init__.py": "from pkg.a import x\n",  # a package naming its own module is no circle
+        "pkg/a.py": "from pkg import b\nfrom pkg.b import y as x\n",
+        "pkg/b.py": "import os\ny = 1\n",
+        "pkg/sub/__init__.py": "from .. import b\n",  # pkg.b
+    })
+    graph = _import_graph(tmp_path, ("pkg",))
+    assert graph["pkg"] == {"pkg.a"} and graph["pkg.sub"] == {"pkg.b"}
+    assert _cycles(graph) == []
+
+
+def test_the_size_checks_find_a_501_line_file_and_an_81_line_function(tmp_path: Path) -> None:
+    def function(name: str, lines: int, indent: str = "") -> str:  # ``lines`` from its def to its last line
+        return f"{indent}def {name}():\n" + "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 1))
+
+    _fake_tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/long.py": "x = 1\n" * 501,
+        "pkg/fits.py": "x = 1\n" * 500,
+        "pkg/fn.py": function("fits", 80) + "class C:\n" + function("big", 81, "    "),
+        "pkg/tests/test_long.py": "x = 1\n" * 600 + function("big", 90),
+        "pkg/migrations/versions/v1.py": function("upgrade", 600),
+    })
+    assert _long_files(tmp_path, ("pkg",)) == ["pkg/long.py (501 lines)"]
+    assert _long_functions(tmp_path, ("pkg",)) == ["pkg/fn.py:82 C.big (81 lines)"]

@@ -18,8 +18,8 @@ import sys
 
 from sqlalchemy import text
 
-from controller.bench.chaos_db import incidents_since
-from controller.bench.chaos_plan import FaultRecord, score
+from ops.bench.chaos_db import incidents_since
+from ops.bench.chaos_plan import FaultRecord, score
 from controller.db import make_engine
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.localcluster import ensure_ray_token
 from controller.probe import free_port, wait_for
-from controller.processes import ProcessGroup
 from controller.settings import child_env
+from ops.localcluster import ensure_ray_token
+from ops.processes import ProcessGroup
 
 RAY = str(Path(sys.executable).parent / "ray")
 PREFIX = "attached-node"
@@ -127,10 +127,10 @@ def start_attached_cluster(root: Path, nodes: int = 3, cpus_per_node: int = 1, s
                     VIGIL_CONTROLLER_URL=cluster.controller_url)
         if storage:
             venv["VIGIL_STORAGE_PATH"] = storage
-        subprocess.run([sys.executable, "-m", "controller.cli", "db", "create-admin-token"], env=venv, check=True,
+        subprocess.run([sys.executable, "-m", "ops.cli", "db", "create-admin-token"], env=venv, check=True,
                        capture_output=True, timeout=120)
         cluster.admin_token = (home / "admin-token").read_text().strip()
-        procs.start("controller", [sys.executable, "-m", "controller.cli", "controller", "--port", str(port),
+        procs.start("controller", [sys.executable, "-m", "ops.cli", "controller", "--port", str(port),
                                    "--ray-address", dashboard, "--ray-gcs-address", cluster.gcs, "--deploy-agents"],
                     venv, logs)
         import httpx

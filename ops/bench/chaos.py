@@ -75,24 +75,24 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-from controller.bench.faultrun import FaultRun, node_index, parse_ts, ray_alive_nodes, safely, step_at
 from controller.checkpoint_layout import job_checkpoint_root, list_step_dirs, newest_complete
 from controller.client import ApiError
 from controller.db import make_engine
-from controller.localcluster import LocalCluster, free_port, node_name, start_local_cluster
 from controller.probe import poll
 from controller.schemas import JobCreate, JobPublic
+from ops.bench.faultrun import FaultRun, node_index, parse_ts, ray_alive_nodes, safely, step_at
+from ops.localcluster import LocalCluster, free_port, node_name, start_local_cluster
 
 log = logging.getLogger("vigil.bench.chaos")
 
-from controller.bench.chaos_db import (
+from ops.bench.chaos_db import (
     final_loss,
     incidents_since,
     missing_samples,
     rank_rows,
     sample_counts,
 )
-from controller.bench.chaos_plan import (
+from ops.bench.chaos_plan import (
     API_KINDS,
     AWAIT_DEFAULT_S,
     AWAIT_S,

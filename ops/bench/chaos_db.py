@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session
 
-from controller.bench.chaos_plan import IncidentView
 from controller.models import Incident, StepMetric
+from ops.bench.chaos_plan import IncidentView
 
 
 def sample_counts(engine: Engine, job_id: str, final_step: int, world_size: int) -> dict[str, Any]:

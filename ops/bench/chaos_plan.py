@@ -1,4 +1,4 @@
-"""The plan and the verdicts of ``vigil bench chaos`` (:mod:`controller.bench.chaos`): pure code, no cluster.
+"""The plan and the verdicts of ``vigil bench chaos`` (:mod:`ops.bench.chaos`): pure code, no cluster.
 
 What each kind of fault must cause (:data:`EXPECT`), the seeded schedule (:func:`draw_schedule`), the
 records of what happened (:class:`FaultRecord`, :class:`IncidentView`) and the scoring

@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from controller.bench.ingest import _database, _dirty_steps, _tokens, build_bodies, controller_process
+from ops.bench.ingest import _database, _dirty_steps, _tokens, build_bodies, controller_process
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What the fault benchmarks (``vigil bench recovery``, ``vigil bench chaos``) share: the controller's
 answers about a job as JSON-like dicts, waits on a job's progress, where a rank runs, and the node
-processes of a local cluster (:mod:`controller.localcluster`) that a benchmark kills and starts again.
+processes of a local cluster (:mod:`ops.localcluster`) that a benchmark kills and starts again.
 
 An operator tool: it reads the controller through its typed client and may touch the cluster's processes.
 """
@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 import httpx
 
 from controller.client import ApiError, VigilClient
-from controller.localcluster import Child, LocalCluster
 from controller.probe import poll
 from controller.schemas import FaultCreate
+from ops.localcluster import Child, LocalCluster
 
 log = logging.getLogger("vigil.bench.faultrun")
 

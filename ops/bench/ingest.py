@@ -60,14 +60,14 @@ from typing import Self
 
 import httpx
 
-from controller.bench.ingest_load import (
+from controller.probe import free_port
+from ops.bench.ingest_load import (
     _STRINGS,
     batch_columns,
     build_bodies,
     build_columnar_bodies,
     plan_batches,
 )
-from controller.probe import free_port
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ def controller_process(url: str, home: Path, pid_out: list[int] | None = None, a
         env["VIGIL_AGGREGATE_SETTLE_S"] = "100000"
     log_path = home / "controller.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "controller", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "controller", "--port", str(port),
                                  "--workers", str(workers)],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""The load the ingest benchmark plays (:mod:`controller.bench.ingest`): node agents' batches of a job of N
+"""The load the ingest benchmark plays (:mod:`ops.bench.ingest`): node agents' batches of a job of N
 ranks, each rank a StepSample and ``collectives`` CollectiveSamples per step, as JSON bodies or as the
 agents' columnar bodies, built before the clock starts; and the same rows as columns for the database's
 own bound. Split from the benchmark's runner; the values are the same whichever form they take.

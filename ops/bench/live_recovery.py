@@ -29,10 +29,10 @@ import statistics
 import time
 from typing import Any
 
-from controller.bench.faultrun import FaultRun
-from controller.bench.faultrun import parse_ts as _ts
 from controller.probe import poll
 from controller.schemas import JobCreate
+from ops.bench.faultrun import FaultRun
+from ops.bench.faultrun import parse_ts as _ts
 
 log = logging.getLogger("vigil.bench.live_recovery")
 
@@ -188,11 +188,11 @@ class LiveRunner(FaultRun):
     def restart_node_processes(self) -> None:
         """A killed node's raylet and agent started again as ``vigil up`` started them (the next fault needs
         the whole cluster), then until Ray and Vigil both have it."""
-        from controller.bench.chaos import _with_ray_start_pid
-        from controller.bench.faultrun import node_index, ray_alive_nodes
+        from ops.bench.chaos import _with_ray_start_pid
+        from ops.bench.faultrun import node_index, ray_alive_nodes
 
         alive = ray_alive_nodes(self.cluster.dashboard_url)
-        from controller.localcluster import node_name
+        from ops.localcluster import node_name
 
         for name in (n for n in self.cluster.node_ids if n != node_name(0)):
             if name in alive:

@@ -34,12 +34,12 @@ from typing import Any
 
 import psutil
 
-from controller.bench.faultrun import FaultRun, step_at
-from controller.bench.faultrun import parse_ts as _ts
 from controller.checkpoint_layout import job_checkpoint_root, newest_complete
-from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import poll
 from controller.schemas import JobCreate
+from ops.bench.faultrun import FaultRun, step_at
+from ops.bench.faultrun import parse_ts as _ts
+from ops.localcluster import LocalCluster, free_port, start_local_cluster
 
 log = logging.getLogger("vigil.bench.recovery")
 
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="--policy live: length of each ETTR run in minutes (default 5; 0: none).")
     p.add_argument("--attached", action="store_true",
                    help="On a Ray cluster built with `ray start` (no vigil up), Vigil attached with --deploy-agents, "
-                        "checkpoints on a local S3-compatible server (moto): controller/bench/attached.py.")
+                        "checkpoints on a local S3-compatible server (moto): ops/bench/attached.py.")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.policy == "live":
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     s3 = None
     if args.attached:
-        from controller.bench.attached import start_attached_cluster, start_s3
+        from ops.bench.attached import start_attached_cluster, start_s3
 
         s3 = start_s3()
         cluster: Any = start_attached_cluster(home, nodes=3, storage=f"s3://{s3.bucket}/bench", extra_env=s3.env)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_live(args: argparse.Namespace) -> int:
-    from controller.bench.live_recovery import LIVE_FAULTS, LiveRunner
+    from ops.bench.live_recovery import LIVE_FAULTS, LiveRunner
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip() in LIVE_FAULTS] or list(LIVE_FAULTS)
     if "kill_node" in kinds:  # it shrinks the cluster: last

@@ -28,11 +28,11 @@ import yaml
 from sqlalchemy import create_engine, select
 
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.models import ApiToken
 from controller.probe import wait_for
 from controller.schemas import JobCreate
 from controller.tokens import hash_token
+from ops.localcluster import LocalCluster, free_port, start_local_cluster
 
 PROBE_PY = '''
 import json
@@ -65,7 +65,7 @@ def _vigil_processes():
             cmd = (d / "cmdline").read_bytes().split(b"\\0")
         except (OSError, ValueError):
             continue
-        if b"controller.cli" in cmd:
+        if b"ops.cli" in cmd:
             out.append((int(d.name), b" ".join(cmd[2:4]).decode()))
     return out
 
@@ -166,7 +166,7 @@ class Attack:
 def submit_project(cluster: LocalCluster, spec_file: Path, working_dir: Path) -> str:
     """`vigil submit SPEC --working-dir DIR` as a user runs it; the job id it prints."""
     env = {**os.environ, "VIGIL_TOKEN": cluster.admin_token, "VIGIL_CONTROLLER_URL": cluster.controller_url}
-    out = subprocess.run([sys.executable, "-m", "controller.cli", "submit", str(spec_file), "--working-dir",
+    out = subprocess.run([sys.executable, "-m", "ops.cli", "submit", str(spec_file), "--working-dir",
                           str(working_dir)], capture_output=True, text=True, env=env, timeout=120, check=False,
                          cwd=working_dir.parent)
     if out.returncode != 0:

@@ -2,18 +2,18 @@
 
 The package, by seam (each module holds its commands' handlers and their argparse definitions):
 
-- :mod:`~controller.cli.services` - running Vigil: ``up``, ``controller``, ``agent``, ``dashboard``, ``db``.
-- :mod:`~controller.cli.tokens` - ``token create | list | revoke`` and the ``--expires`` parser.
-- :mod:`~controller.cli.jobs` - ``submit``, ``jobs``, ``logs``, ``cancel``; the job file reader and
+- :mod:`~ops.cli.services` - running Vigil: ``up``, ``controller``, ``agent``, ``dashboard``, ``db``.
+- :mod:`~ops.cli.tokens` - ``token create | list | revoke`` and the ``--expires`` parser.
+- :mod:`~ops.cli.jobs` - ``submit``, ``jobs``, ``logs``, ``cancel``; the job file reader and
   the progress bar of ``--follow``.
-- :mod:`~controller.cli.recovery` - ``recover``, ``evict``, ``readmit``, ``fault``, ``incidents``.
-- :mod:`~controller.cli.bench` - ``bench NAME``, each benchmark in its own process.
-- :mod:`~controller.cli.common` - the CLI's token and controller client.
+- :mod:`~ops.cli.recovery` - ``recover``, ``evict``, ``readmit``, ``fault``, ``incidents``.
+- :mod:`~ops.cli.bench` - ``bench NAME``, each benchmark in its own process.
+- :mod:`~ops.cli.common` - the CLI's token and controller client.
 
 Every command talks to the controller through the public methods of
 :class:`~controller.client.VigilClient` only. This module builds the parser, dispatches, and turns
 the controller's 401 and 403 into one line each; the names it re-exports are those other modules and
-tests import from ``controller.cli``.
+tests import from ``ops.cli``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from controller.cli import bench, jobs, recovery, services, tokens
-from controller.cli.bench import BENCHMARKS, cmd_bench
-from controller.cli.common import cli_token
-from controller.cli.jobs import (
+from controller.client import ApiError
+from controller.settings import admin_token_path, get_settings
+from ops.cli import bench, jobs, recovery, services, tokens
+from ops.cli.bench import BENCHMARKS, cmd_bench
+from ops.cli.common import cli_token
+from ops.cli.jobs import (
     DEMO_JOB,
     cmd_cancel,
     cmd_jobs,
@@ -36,11 +38,9 @@ from controller.cli.jobs import (
     follow_job,
     load_job_file,
 )
-from controller.cli.recovery import cmd_evict, cmd_fault, cmd_faults, cmd_incidents, cmd_readmit, cmd_recover
-from controller.cli.services import LOOPBACK_HOSTS, cmd_agent, cmd_controller, cmd_dashboard, cmd_db, cmd_up
-from controller.cli.tokens import cmd_token, parse_expiry
-from controller.client import ApiError
-from controller.settings import admin_token_path, get_settings
+from ops.cli.recovery import cmd_evict, cmd_fault, cmd_faults, cmd_incidents, cmd_readmit, cmd_recover
+from ops.cli.services import LOOPBACK_HOSTS, cmd_agent, cmd_controller, cmd_dashboard, cmd_db, cmd_up
+from ops.cli.tokens import cmd_token, parse_expiry
 
 __all__ = [
     "BENCHMARKS",

@@ -1,8 +1,8 @@
-"""``python -m controller.cli``: the ``vigil`` command."""
+"""``python -m ops.cli``: the ``vigil`` command."""
 
 import sys
 
-from controller.cli import main
+from ops.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

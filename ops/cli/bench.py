@@ -13,11 +13,11 @@ BENCHMARKS = {
     "convergence": "vigil.bench.convergence",
     "overhead": "vigil.bench.overhead",
     "speedup": "vigil.bench.speedup",
-    "ingest": "controller.bench.ingest",
-    "recovery": "controller.bench.recovery",
-    "chaos": "controller.bench.chaos",
-    "dashboard": "controller.bench.dashboard",
-    "security": "controller.bench.security",
+    "ingest": "ops.bench.ingest",
+    "recovery": "ops.bench.recovery",
+    "chaos": "ops.bench.chaos",
+    "dashboard": "ops.bench.dashboard",
+    "security": "ops.bench.security",
 }
 """What ``vigil bench NAME`` runs: NAME -> the module run with ``python -m``."""
 

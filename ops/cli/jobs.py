@@ -12,10 +12,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from controller.cli.common import client_for
 from controller.client import ApiError, VigilClient
 from controller.schemas import JobCreate, JobPublic, JobStatus
 from controller.settings import get_settings
+from ops.cli.common import client_for
 
 DEMO_JOB = "demo.yaml"
 

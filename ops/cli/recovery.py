@@ -13,9 +13,9 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from controller.cli.common import client_for, invalid_request
 from controller.client import ApiError, VigilClient
 from controller.schemas import FaultCreate, RecoverRequest
+from ops.cli.common import client_for, invalid_request
 
 T = TypeVar("T")
 

@@ -12,10 +12,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.cli.jobs import demo_job_spec, follow_job, load_job_file
 from controller.client import VigilClient
 from controller.schemas import FaultCreate, FaultKind
 from controller.settings import Settings, admin_token_path, get_settings
+from ops.cli.jobs import demo_job_spec, follow_job, load_job_file
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -125,7 +125,7 @@ def _run_workers(settings: Settings, workers: int) -> int:
     # The workers are new interpreters: they read their settings from the environment.
     os.environ["VIGIL_HOST"], os.environ["VIGIL_PORT"] = settings.host, str(settings.port)
     os.environ["VIGIL_DASHBOARD_OPEN_READS"] = "true" if settings.dashboard_open_reads else "false"
-    uvicorn.run("controller.cli.services:worker_app", factory=True, workers=workers, host=settings.host,
+    uvicorn.run("ops.cli.services:worker_app", factory=True, workers=workers, host=settings.host,
                 port=settings.port, log_level="warning", http=HeaderDeadlineProtocol)
     return 0
 
@@ -185,9 +185,9 @@ def _create_admin_token(url: str, home: Path) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from controller.localcluster import start_local_cluster
-    from controller.netns import LinkSpec, NetnsError
     from controller.rankuser import RankUserError
+    from ops.localcluster import start_local_cluster
+    from ops.netns import LinkSpec, NetnsError
 
     settings = get_settings()
     home = Path(args.home or settings.home)

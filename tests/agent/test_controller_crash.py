@@ -59,7 +59,7 @@ class ControllerProcess:
         env.pop("VIGIL_RAY_ADDRESS", None)
         self.starts += 1
         log = (self.home / f"controller-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "controller", "--port", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "controller", "--port", str(self.port)],
                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
         def up() -> bool:

@@ -1,4 +1,4 @@
-"""``vigil up`` starts a dead agent again while its node's raylet runs (controller/agentkeeper.py).
+"""``vigil up`` starts a dead agent again while its node's raylet runs (ops/agentkeeper.py).
 
 Real child processes stand in for agents (a sleeping python); the raylet's liveness is a switch.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from agent.main import EXIT_NODE_KILLED as AGENT_EXIT_NODE_KILLED
-from controller.agentkeeper import EXIT_NODE_KILLED, AgentKeeper
 from controller.probe import wait_for
-from controller.processes import ProcessGroup
+from ops.agentkeeper import EXIT_NODE_KILLED, AgentKeeper
+from ops.processes import ProcessGroup
 
 SLEEPER = [sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1])); sys.exit(int(sys.argv[2]))"]
 

@@ -15,8 +15,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from controller import migrate
-from controller.bench.chaos_db import final_loss, sample_counts
-from controller.bench.chaos_plan import (
+from controller.db import make_engine
+from controller.models import Job
+from ops.bench.chaos_db import final_loss, sample_counts
+from ops.bench.chaos_plan import (
     BASE_KINDS,
     EXPECT,
     NET_KINDS,
@@ -26,8 +28,6 @@ from controller.bench.chaos_plan import (
     eligible_kinds,
     score,
 )
-from controller.db import make_engine
-from controller.models import Job
 
 # -- the schedule -------------------------------------------------------------------------------------------
 

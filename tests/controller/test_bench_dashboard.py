@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.dashboard import CHROMEDRIVER, CHROMIUM, _tick_entries
+from ops.bench.dashboard import CHROMEDRIVER, CHROMIUM, _tick_entries
 
 KEYS = {"ranks", "steps", "server_s_per_refresh", "bytes_per_refresh", "browser_draw_s"}
 
@@ -24,7 +24,7 @@ def test_tick_entries_take_the_first_refresh_after_the_mark() -> None:
 @pytest.mark.skipif(not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()),
                     reason="needs Debian's chromium and chromium-driver (make browser installs them)")
 def test_bench_dashboard_json_at_a_tiny_size() -> None:
-    r = subprocess.run([sys.executable, "-m", "controller.cli", "bench", "dashboard", "--json", "--ranks", "12",
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "bench", "dashboard", "--json", "--ranks", "12",
                         "--steps", "8", "--ticks", "1"], capture_output=True, text=True, timeout=400, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout)

@@ -1,11 +1,11 @@
-"""``vigil bench recovery --policy live``'s readings of a job's steps (controller/bench/live_recovery.py),
+"""``vigil bench recovery --policy live``'s readings of a job's steps (ops/bench/live_recovery.py),
 on made-up step rows: ETTR at the job's own steady pace, a replaced rank's rejoin, a survivor's lost steps."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller.bench.live_recovery import Series
+from ops.bench.live_recovery import Series
 
 
 def _series(by_rank: dict[int, list[tuple[float, int]]]) -> Series:

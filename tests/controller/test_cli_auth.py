@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from controller import cli
 from controller.app import create_app
 from controller.auth import ensure_admin_token
 from controller.client import ApiError, VigilClient
 from controller.schemas import JobCreate
 from controller.settings import Settings, admin_token_path, get_settings
+from ops import cli
 from tests.dashboard.harness import start_live_server
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from controller import cli
 from controller.app import create_app
 from controller.settings import Settings, get_settings
+from ops import cli
 from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
 from tests.dashboard.harness import start_live_server

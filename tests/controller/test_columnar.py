@@ -400,8 +400,8 @@ def test_fuzz_columnar_validation_agrees_with_the_schema(client: TestClient) -> 
 def test_the_ingest_benchmark_sends_the_same_samples_in_both_formats() -> None:
     """``vigil bench ingest --format columnar`` measures the same load as ``--format json``."""
     from agent.columnar import to_batch
-    from controller.bench.ingest import build_bodies, build_columnar_bodies
     from controller.schemas import TelemetryBatch
+    from ops.bench.ingest import build_bodies, build_columnar_bodies
 
     def key(s: Any) -> tuple[Any, ...]:
         return (s.kind, s.rank, s.step, getattr(s, "seq", -1))

@@ -215,7 +215,7 @@ def test_two_apps_on_one_sqlite_file_have_one_leader(tmp_path: Path, sqlite_url:
 
 
 def test_standby_controllers_need_postgresql(tmp_path: Path, sqlite_url: str) -> None:
-    from controller.localcluster import start_local_cluster
+    from ops.localcluster import start_local_cluster
 
     for url in (None, sqlite_url):
         with pytest.raises(ValueError, match="standby_controllers"):

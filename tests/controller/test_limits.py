@@ -250,7 +250,7 @@ REVIEWED_SQL_TEXT = {
     "controller/telemetry.py::bulk_insert": "table and column names are the module's constants; rows are bound",
     "controller/telemetry.py::mark_dirty": "interpolates only the driver's placeholder (? or %s); values bound",
     "controller/telemetry.py::update_job_progress": "interpolates only the driver's placeholder; values bound",
-    "controller/bench/ingest.py::_database": "a database name the benchmark generates (vigil_bench_<hex>)",
+    "ops/bench/ingest.py::_database": "a database name the benchmark generates (vigil_bench_<hex>)",
 }
 SQL_CALLS = {"text", "exec_driver_sql", "execute", "executemany", "copy"}
 
@@ -264,7 +264,7 @@ def _built_string(node: ast.expr) -> bool:
 def test_no_sql_is_built_from_strings() -> None:
     """Queries are SQLAlchemy expressions with bound parameters: no built string reaches SQL text."""
     offenders = []
-    for path in (ROOT / "controller").rglob("*.py"):
+    for path in [*(ROOT / "controller").rglob("*.py"), *(ROOT / "ops").rglob("*.py")]:
         rel = path.relative_to(ROOT).as_posix()
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):

@@ -65,7 +65,7 @@ def test_the_sidecar_command_line_finds_its_node_and_reports(tmp_path: Path, liv
     env.update(VIGIL_CONTROLLER_URL=live_controller.url, VIGIL_TOKEN=live_controller.token("agent"))
     argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in agent["command"]]  # as Kubernetes does
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "controller.cli", *argv[1:]]  # `vigil`, from this checkout
+    argv = [sys.executable, "-m", "ops.cli", *argv[1:]]  # `vigil`, from this checkout
     argv[argv.index("--run-dir") + 1] = str(run_dir)
     argv += ["--spool-dir", str(tmp_path / "spool"), "--heartbeat-interval", "0.2"]
     raylet = tmp_path / "bin" / "raylet"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster, free_port, start_local_cluster
+from ops.localcluster import LocalCluster, free_port, start_local_cluster
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,7 @@
 """End to end: ``kill -9`` of a node's agent mid-job on ``vigil up`` costs nothing.
 
 The agent is the node's eyes, not the node: ``vigil up``'s keeper starts it again within seconds
-(controller/agentkeeper.py), the ranks keep what they could not send and send it again to the new agent
+(ops/agentkeeper.py), the ranks keep what they could not send and send it again to the new agent
 (vigil/telemetry.py), the controller takes a silent agent whose raylet answers for an agent problem, not a
 lost node (controller/recovery/agents.py), and the job's final step comes from the job itself. Before:
 the node stayed without an agent, a ``node_lost`` incident was opened for a live node, about 380 samples
@@ -16,9 +16,9 @@ import signal
 import pytest
 
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster
 from controller.probe import wait_for
 from controller.schemas import JobCreate, JobStatus
+from ops.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from controller.bench.attached import AttachedCluster, start_attached_cluster
 from controller.client import VigilClient
 from controller.probe import wait_for
 from controller.schemas import JobCreate, JobStatus
+from ops.bench.attached import AttachedCluster, start_attached_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -23,9 +23,9 @@ import pytest
 
 from controller.checkpoint_layout import job_checkpoint_root, newest_complete
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import wait_for
 from controller.schemas import FaultCreate, JobCreate, JobStatus
+from ops.localcluster import LocalCluster, free_port, start_local_cluster
 from tests.e2e.user_project import job_writable_dir
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from controller.client import ApiError, VigilClient
-from controller.localcluster import free_port, start_local_cluster
 from controller.schemas import JobCreate, JobStatus
 from controller.settings import admin_token_path
+from ops.localcluster import free_port, start_local_cluster
 
 pytestmark = pytest.mark.slow
 

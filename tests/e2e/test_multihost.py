@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import netns
 from controller.client import VigilClient
-from controller.localcluster import ensure_ray_token
-from controller.netns import NetnsCluster
 from controller.probe import free_port, wait_for
-from controller.processes import ProcessGroup
 from controller.schemas import JobStatus
 from controller.settings import child_env
+from ops import netns
+from ops.localcluster import ensure_ray_token
+from ops.netns import NetnsCluster
+from ops.processes import ProcessGroup
 from tests.e2e.user_project import FUNCTION_PY, MODEL_PY
 from tests.s3server import S3Server, start_s3_server, stop_s3_server
 
@@ -111,14 +111,14 @@ def machines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machines]:
         home = root / "home"
         venv = dict(os.environ, **s3.env, VIGIL_HOME=str(home), VIGIL_RUN_DIR=f"{LOCAL}/run",
                     VIGIL_STORAGE_PATH=f"s3://{s3.bucket}/multihost", VIGIL_CONTROLLER_URL=m.url)
-        subprocess.run([sys.executable, "-m", "controller.cli", "db", "create-admin-token"], env=venv, check=True,
+        subprocess.run([sys.executable, "-m", "ops.cli", "db", "create-admin-token"], env=venv, check=True,
                        capture_output=True, timeout=120)
         m.token = (home / "admin-token").read_text().strip()
         # On the head machine: its network and its files (its fleet driver is a Ray driver beside the head's raylet).
         head_pid = m.procs.child("node-1").proc.pid
         m.procs.start("controller", [
             "nsenter", f"--target={head_pid}", "--mount", "--net",
-            sys.executable, "-m", "controller.cli", "controller", "--host", head, "--allow-remote", "--port", str(port),
+            sys.executable, "-m", "ops.cli", "controller", "--host", head, "--allow-remote", "--port", str(port),
             "--ray-address", f"http://{head}:8265", "--ray-gcs-address", m.gcs, "--deploy-agents"], venv, m.logs)
         yield m
     finally:
@@ -162,7 +162,7 @@ def test_a_job_survives_a_dead_machine_from_s3_and_a_new_machine_takes_work(mach
                  180, "an agent on every machine", 1, (Exception,))
         proj, spec_file = _project(tmp_path)
         env = {**os.environ, "VIGIL_TOKEN": m.token, "VIGIL_CONTROLLER_URL": m.url}
-        out = subprocess.run([sys.executable, "-m", "controller.cli", "submit", str(spec_file), "--working-dir",
+        out = subprocess.run([sys.executable, "-m", "ops.cli", "submit", str(spec_file), "--working-dir",
                               str(proj)], check=False, capture_output=True, text=True, env=env, timeout=120,
                              cwd=tmp_path)
         assert out.returncode == 0, out.stderr

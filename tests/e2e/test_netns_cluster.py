@@ -6,7 +6,7 @@ veth ``eth0`` at 200 Mbit/s; the controller listens on 127.0.0.1 and the bridge 
 agent runs inside its node's namespace. A 2-rank DDP AdamW job runs across the two namespaced
 nodes with gloo on ``eth0``; a ``degrade_nic`` fault (25%) on one node is carried out by that
 node's agent, the monitor opens an incident naming it, clearing the fault restores the link, and
-a job attacking Vigil from inside the namespaces (controller/bench/security.py) is refused everything, and
+a job attacking Vigil from inside the namespaces (ops/bench/security.py) is refused everything, and
 stopping the cluster leaves no namespace, link or process behind. On the way: (a) the gradient
 all-reduce's transfer time matches the link's bandwidth and grows about 4x when the link drops to
 25%; (b) the agent's eth0 counter counts the bytes the rank's collectives report.
@@ -25,11 +25,11 @@ import httpx
 import psutil
 import pytest
 
-from controller import netns
-from controller.bench.security import report, run_attacks
 from controller.client import VigilClient
-from controller.localcluster import free_port, start_local_cluster
 from controller.probe import wait_for
+from ops import netns
+from ops.bench.security import report, run_attacks
+from ops.localcluster import free_port, start_local_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(netns.unavailable_reason() is not None, reason=netns.unavailable_reason() or "")]

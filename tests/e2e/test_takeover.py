@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster, free_port, start_local_cluster
 from controller.probe import wait_for
 from controller.schemas import FaultCreate, JobCreate, JobStatus
+from ops.localcluster import LocalCluster, free_port, start_local_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -20,9 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.client import VigilClient
-from controller.localcluster import free_port, start_local_cluster
 from controller.probe import wait_for
 from controller.schemas import JobCreate, JobStatus
+from ops.localcluster import free_port, start_local_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 30

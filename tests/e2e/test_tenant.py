@@ -1,5 +1,5 @@
 """End to end: a job is a tenant (issue 23). Its code, in its driver and in every rank on `vigil up`, tries
-what an attacker would (controller/bench/security.py, the attacks of ``vigil bench security``): read Vigil's
+what an attacker would (ops/bench/security.py, the attacks of ``vigil bench security``): read Vigil's
 secrets (its environment, the admin token and the database in the controller's home, the agents' and the
 controller's environment under /proc), signal Vigil's processes, point the root agent at a process that is not
 its own, speak for another job through the agents, and inject faults with its own token. Every attempt must be
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.bench.security import report, run_attacks
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster
+from ops.bench.security import report, run_attacks
+from ops.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.bench.security import submit_project as _vigil_submit
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster
 from controller.probe import wait_for
 from controller.schemas import CAPTURED_TAG, FaultCreate, IncidentKind
+from ops.bench.security import submit_project as _vigil_submit
+from ops.localcluster import LocalCluster
 from tests.e2e.user_project import FUNCTION_PY, MODEL_PY, SCRIPT_PY, job_writable_dir
 from tests.e2e.user_project import finish as _finish
 from vigil import raytrain

@@ -23,10 +23,10 @@ import httpx
 import psutil
 import pytest
 
-from controller.cli import demo_job_spec
-from controller.localcluster import free_port
 from controller.rankuser import private_storage
 from controller.settings import admin_token_path
+from ops.cli import demo_job_spec
+from ops.localcluster import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_vigil_up_runs_a_job_serves_and_ctrl_c_stops_everything(tmp_path: Path) 
     home, port = tmp_path / "home", free_port()
     mark = uuid.uuid4().hex
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.cli", "up", "--home", str(home), "--nodes", "2",
+        [sys.executable, "-m", "ops.cli", "up", "--home", str(home), "--nodes", "2",
          "--port", str(port), "--job", str(job_file)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1", VIGIL_TEST_MARK=mark, RAY_VIGIL_TEST_MARK=mark),

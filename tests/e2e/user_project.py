@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from controller.client import VigilClient
-from controller.localcluster import LocalCluster
 from controller.probe import wait_for
 from controller.schemas import JobStatus
+from ops.localcluster import LocalCluster
 
 # The user's code: nothing in it is Vigil's but the `vigil.*` calls. A data loader that takes ~40 ms a
 # batch makes the steps long enough for a fault to land mid-run.

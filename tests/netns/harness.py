@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from controller import netns
+from ops import netns
 from vigil.bench.netns_ranks import enter_namespace, nic_bytes
 from vigil.bench.ranks import run_ranks
 from vigil.comm import Comm

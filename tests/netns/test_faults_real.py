@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent.netfaults import NetFaults
-from controller import netns
+from ops import netns
 from tests.netns.harness import agent_view, network, skip_reason
 
 pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(300)]

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from controller import netns
 from controller.link import parse_rate
+from ops import netns
 from tests.netns.harness import agent_view, in_namespaces, network, skip_reason, timed_all_reduce
 
 pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(300)]

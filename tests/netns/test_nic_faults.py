@@ -24,12 +24,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from agent.netfaults import NetFaults
-from controller import netns
 from controller.app import create_app
 from controller.models import Job
 from controller.recovery.nic import NicDetector, NicFinding
 from controller.schemas import IncidentKind
 from controller.settings import Settings
+from ops import netns
 from tests.auth import bearer, issue_token
 from tests.netns.harness import Samplers, in_namespaces, in_thread, network, skip_reason, training_like
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from controller.app import create_app
-from controller.cli.services import remote_dashboard
 from controller.settings import Settings
+from ops.cli.services import remote_dashboard
 from tests.controller.fakes import FakeLauncher
 
 

@@ -20,8 +20,8 @@ import uvicorn
 
 from controller import http_protocol
 from controller.app import create_app
-from controller.localcluster import free_port
 from controller.settings import Settings
+from ops.localcluster import free_port
 from tests.controller.fakes import FakeLauncher
 
 

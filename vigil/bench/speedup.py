@@ -50,9 +50,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from controller import netns
 from controller.link import parse_rate
 from controller.schemas import JobCreate, ModelSpec, StepSample
+from ops import netns
 from vigil import sdk
 from vigil.bench.comm import CONFIGS as COMM_CONFIGS
 from vigil.bench.comm import BenchConfig

@@ -15,7 +15,7 @@ KERNELS = {"quantize4", "quantize8", "quantize4_w2048", "dequantize4", "dequanti
 
 
 def test_kernels_json_has_every_kernel_beside_its_copy() -> None:
-    r = subprocess.run([sys.executable, "-m", "controller.cli", "bench", "kernels", "--json", "--sizes", "64K",
+    r = subprocess.run([sys.executable, "-m", "ops.cli", "bench", "kernels", "--json", "--sizes", "64K",
                         "--reps", "1", "--no-compile"], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)

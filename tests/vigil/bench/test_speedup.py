@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import netns
 from controller.schemas import ModelSpec
+from ops import netns
 from vigil.bench import speedup
 from vigil.bench.comm import BenchConfig
 
