@@ -205,8 +205,8 @@ def test_no_import_cycles() -> None:
 # Import cycles (deferred imports too), file and function sizes
 # --------------------------------------------------------------------------------------------------
 
-CHECKED = ("agent", "controller", "dashboard", "vigil", "trainer")
-"""The first-party packages the cycle and size rules cover."""
+CHECKED = ("agent", "controller", "dashboard", "vigil", "trainer", "ops")
+"""The first-party packages the cycle and size rules cover (ops/: the operator tools that left controller/)."""
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
