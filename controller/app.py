@@ -1,9 +1,12 @@
-"""The controller's FastAPI application: REST API under /api/v1, the dashboard under /dashboard."""
+"""The controller's FastAPI application: the REST API under /api/v1 and /metrics.
+
+What else it serves (the dashboard under /dashboard) the composition root mounts in: :data:`Mount`.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -19,7 +22,7 @@ from controller.api import jobs, nodes, packages, recovery, telemetry, tokens
 from controller.api import metrics as metrics_routes
 from controller.api import views as view_routes
 from controller.api.deps import SessionDep
-from controller.auth import authorize, mint_internal_token
+from controller.auth import authorize
 from controller.background import BackgroundLoop
 from controller.db import WalCheckpointer, make_engine, make_session_factory
 from controller.fleet import agent_fleet
@@ -28,7 +31,7 @@ from controller.leader import Leadership, default_controller_id, leader_lock, sh
 from controller.limits import BodySizeLimit, validation_error_handler
 from controller.prometheus import make_registry
 from controller.recovery.monitor import Monitor
-from controller.schemas import Health, Role
+from controller.schemas import Health
 from controller.settings import (
     ENV_CONTROLLER_URL,
     ENV_RUN_DIR,
@@ -65,6 +68,15 @@ def job_env(settings: Settings) -> dict[str, str]:
             ENV_STORAGE_PATH: str(settings.resolved_storage())}
 
 
+Mount = Callable[[FastAPI, Settings], str | None]
+"""Mounts another app under the controller's (the dashboard: :func:`ops.dashboard_mount.mount_dashboard`),
+given the app once its API is in place and its settings; returns the path ``/`` should redirect to, or
+None. The composition root (``vigil controller``) passes them in, so the server imports no user interface."""
+
+API_HOME = "/api/v1/docs"
+"""Where ``/`` redirects when no mount names another home."""
+
+
 def create_app(
     settings: Settings | None = None,
     launcher: JobLauncher | None = None,
@@ -72,7 +84,7 @@ def create_app(
     *,
     run_migrations: bool = True,
     background: bool = True,
-    mount_dashboard: bool = True,
+    mounts: Sequence[Mount] = (),
 ) -> FastAPI:
     """Build the controller app.
 
@@ -80,7 +92,8 @@ def create_app(
     ``background`` starts the leadership loop, which runs the supervisor, the monitor and the telemetry
     maintainer while this controller holds the leader lock (controller/leader.py: always on SQLite; on
     PostgreSQL one controller of those sharing the database). Tests may leave it off and call
-    ``supervisor.step()``; such an app is the leader on SQLite only.
+    ``supervisor.step()``; such an app is the leader on SQLite only. ``mounts`` (:data:`Mount`) run in
+    order once the API is in place; the first home one of them returns is where ``/`` redirects.
     """
     settings = settings or get_settings()
     url = settings.resolved_database_url()
@@ -88,6 +101,24 @@ def create_app(
         launcher = RayJobLauncher(settings.ray_address, packages_dir=settings.resolved_packages_dir())
     if cluster is None and settings.ray_gcs_address:
         cluster = RayClusterControl(settings.ray_gcs_address)
+    if run_migrations:
+        migrate.upgrade(url)
+    app = _new_app(background)
+    _attach_state(app, settings, make_engine(url), launcher, cluster)
+    _include_api(app, settings)
+    homes = [home for mount in mounts if (home := mount(app, settings)) is not None]
+    home = homes[0] if homes else API_HOME
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse(home)
+
+    return app
+
+
+def _new_app(background: bool) -> FastAPI:
+    """The bare FastAPI app: its OpenAPI paths, authorization on every route, and a lifespan that runs
+    the leadership loop (``background``) and releases the lock and the engine at shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,10 +131,7 @@ def create_app(
             app.state.leadership.lock.close()
             app.state.engine.dispose()
 
-    if run_migrations:
-        migrate.upgrade(url)
-    engine = make_engine(url)
-    app = FastAPI(
+    return FastAPI(
         title="Vigil controller",
         version=VERSION,
         description="Jobs, telemetry, nodes and recovery for distributed training on Ray.",
@@ -115,6 +143,12 @@ def create_app(
         # Authorization in one place: every route's (method, path) is looked up in ROUTE_POLICY.
         dependencies=[Depends(authorize)],
     )
+
+
+def _attach_state(app: FastAPI, settings: Settings, engine: Engine, launcher: JobLauncher | None,
+                  cluster: ClusterControl | None) -> None:
+    """What the routes and the loops share, on ``app.state``: the settings, the database, the launcher,
+    the telemetry guard, the background loops and the leadership that runs them, the metrics registry."""
     app.state.settings = settings
     app.state.internal_tokens = {}
     app.state.engine = engine
@@ -131,21 +165,28 @@ def create_app(
         interval_s=settings.telemetry_interval_s, prune_interval_s=settings.raw_prune_interval_s,
         process=aggregation_process(settings, engine),
     )
-    # Only the leader runs them (one monitor per database, or incidents are opened twice).
-    loops: list[BackgroundLoop] = [app.state.supervisor, app.state.monitor, app.state.telemetry]
     app.state.fleet = agent_fleet(settings, app.state.sessions)  # agents through Ray (VIGIL_DEPLOY_AGENTS)
-    if app.state.fleet is not None:
-        loops.append(app.state.fleet)
-    if engine.dialect.name == "sqlite":  # its WAL, checkpointed here rather than in the ingest's commits
-        loops.append(WalCheckpointer(app.state.sessions))
     app.state.leadership = Leadership(
-        leader_lock(engine), loops, app.state.sessions,
+        leader_lock(engine), _leader_loops(app, engine), app.state.sessions,
         controller_id=settings.controller_id or default_controller_id(), interval=settings.leader_interval_s,
     )
     app.state.metrics_registry = make_registry(
         app.state.sessions, max_jobs=settings.metrics_max_jobs, max_ranks=settings.metrics_max_ranks
     )
 
+
+def _leader_loops(app: FastAPI, engine: Engine) -> list[BackgroundLoop]:
+    """The loops only the leader runs (one monitor per database, or incidents are opened twice)."""
+    loops: list[BackgroundLoop] = [app.state.supervisor, app.state.monitor, app.state.telemetry]
+    if app.state.fleet is not None:
+        loops.append(app.state.fleet)
+    if engine.dialect.name == "sqlite":  # its WAL, checkpointed here rather than in the ingest's commits
+        loops.append(WalCheckpointer(app.state.sessions))
+    return loops
+
+
+def _include_api(app: FastAPI, settings: Settings) -> None:
+    """The REST API under /api/v1, /metrics, the body size limits and the validation error handler."""
     api = APIRouter(prefix="/api/v1")
     api.include_router(health_router)
     api.include_router(jobs.router)
@@ -164,15 +205,6 @@ def create_app(
     if not settings.auth_enabled:
         log.warning("VIGIL_AUTH_ENABLED=false: every route is open to anyone who reaches the controller")
 
-    if mount_dashboard:
-        _mount_dashboard(app, settings)
-
-    @app.get("/", include_in_schema=False)
-    def root() -> RedirectResponse:
-        return RedirectResponse("/dashboard/" if mount_dashboard else "/api/v1/docs")
-
-    return app
-
 
 def aggregation_process(settings: Settings, engine: Engine) -> AggregationProcess | None:
     """The child process the leader's aggregation passes run in (``settings.aggregation_process``; by
@@ -187,16 +219,3 @@ def aggregation_process(settings: Settings, engine: Engine) -> AggregationProces
         retention_s=settings.raw_retention_s, settle_s=settings.aggregate_settle_s,
         interval_s=settings.telemetry_interval_s, prune_interval_s=settings.raw_prune_interval_s))
 
-
-def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
-    from a2wsgi import WSGIMiddleware
-
-    from dashboard.app import create_dash_app
-
-    # The dashboard's callbacks run here, server side: its token never reaches a browser. No CORS
-    # middleware is installed, so no other origin may read the API or the dashboard's answers.
-    token = settings.dashboard_token
-    if token is None and settings.auth_enabled and settings.dashboard_open_reads:
-        token = mint_internal_token(app, Role.VIEWER, "dashboard (mounted)")
-    dash_app = create_dash_app(settings.controller_url, token=token, requests_pathname_prefix="/dashboard/")
-    app.mount("/dashboard", WSGIMiddleware(dash_app.server))

@@ -87,7 +87,8 @@ class LiveController:
     """The real controller app in a uvicorn thread, on SQLite in ``home``. ``stop()``/``start()`` keep the port.
 
     ``settings``: more :class:`~controller.settings.Settings` fields (``controller_url`` is always
-    the server's own URL). ``mount_dashboard``: the controller mounts its dashboard itself.
+    the server's own URL). ``mount_dashboard``: the controller mounts its dashboard itself, as ``vigil controller`` does
+    (:func:`ops.dashboard_mount.mount_dashboard`).
     ``extend(app, url)`` runs on every app built, before it serves (the dashboard tests mount the
     dashboard their own way with it). The fake Ray launcher is :attr:`launcher`.
     """
@@ -124,12 +125,14 @@ class LiveController:
     def start(self, timeout: float = 60.0) -> Self:
         """Build a new app on the database and serve it (on the same port after a ``stop()``)."""
         from controller.app import create_app
+        from ops.dashboard_mount import mount_dashboard
 
         assert self._server is None, "already serving"
         sock = self._bind()
         self.port = sock.getsockname()[1]
         settings = Settings(home=self.home, controller_url=self.url, **self._settings)
-        app = create_app(settings, self.launcher, background=False, mount_dashboard=self._mount_dashboard)
+        mounts = [mount_dashboard] if self._mount_dashboard else []
+        app = create_app(settings, self.launcher, background=False, mounts=mounts)
         if self._extend is not None:
             self._extend(app, self.url)
         config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,

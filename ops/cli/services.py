@@ -39,6 +39,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     from controller.app import create_app
     from controller.http_protocol import HeaderDeadlineProtocol
+    from ops.dashboard_mount import mount_dashboard
 
     settings = get_settings()
     host = args.host or settings.host
@@ -68,12 +69,14 @@ def cmd_controller(args: argparse.Namespace) -> int:
             print("vigil controller: --workers with --extra-host is not supported", file=sys.stderr)
             return 2
         return _run_workers(settings, workers)
+    mounts = [mount_dashboard]  # the dashboard under /dashboard, where / redirects
     if len(hosts) == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", http=HeaderDeadlineProtocol)
+        uvicorn.run(create_app(settings, mounts=mounts), host=host, port=port, log_level="warning",
+                    http=HeaderDeadlineProtocol)
         return 0
     # Several addresses (`vigil up --netns`: loopback for the user, the bridge for agents in namespaces).
     sockets = [_listen(h, port) for h in hosts]
-    uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", http=HeaderDeadlineProtocol)
+    uvicorn.Server(uvicorn.Config(create_app(settings, mounts=mounts), log_level="warning", http=HeaderDeadlineProtocol)
                    ).run(sockets=sockets)
     return 0
 
@@ -95,13 +98,14 @@ def worker_app() -> FastAPI:
     from controller.app import create_app
     from controller.schemas import Role
     from controller.tokens import Principal
+    from ops.dashboard_mount import mount_dashboard
 
     settings = get_settings()
     secret = os.environ.get(_WORKERS_DASHBOARD_SECRET)
     shared = bool(secret) and settings.auth_enabled and settings.dashboard_token is None and settings.dashboard_open_reads
     if shared:
         settings = settings.model_copy(update={"dashboard_token": secret})
-    app = create_app(settings, run_migrations=False)
+    app = create_app(settings, run_migrations=False, mounts=[mount_dashboard])
     if shared and secret:
         app.state.internal_tokens[tokens.hash_token(secret)] = Principal(token_id=None, role=Role.VIEWER,
                                                                           name="dashboard (mounted)")

@@ -109,7 +109,7 @@ class Env:
 def env(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Env]:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
     launcher, cluster, clock = FakeLauncher(), FakeCluster(), Clock()
-    app = create_app(settings, launcher, cluster=cluster, background=False, mount_dashboard=False)
+    app = create_app(settings, launcher, cluster=cluster, background=False)
     monitor = Monitor(app.state.sessions, launcher, cluster, clock=clock)
     app.state.monitor = monitor
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:

@@ -39,7 +39,7 @@ def launcher() -> FakeLauncher:
 @pytest.fixture
 def client(db_url: str, tmp_path: Path, launcher: FakeLauncher) -> Iterator[TestClient]:
     settings = Settings(home=tmp_path, database_url=db_url, max_body_bytes=256 * 1024)
-    app = create_app(settings, launcher, background=False, mount_dashboard=False)
+    app = create_app(settings, launcher, background=False)
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         yield c
 

@@ -35,6 +35,7 @@ from controller.db import session_scope
 from controller.models import ApiToken, Job
 from controller.schemas import Role
 from controller.settings import Settings, admin_token_path
+from ops.dashboard_mount import mount_dashboard
 from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
 
@@ -44,7 +45,7 @@ CALLERS = ("none", "revoked", "expired", "admin", "user", "agent", "viewer", "jo
 
 def _app(db_url: str, home: Path, launcher: FakeLauncher | None = None, **settings: Any) -> FastAPI:
     s = Settings(home=home, database_url=db_url, **settings)
-    return create_app(s, launcher or FakeLauncher(), background=False, mount_dashboard=True)
+    return create_app(s, launcher or FakeLauncher(), background=False, mounts=[mount_dashboard])
 
 
 def _expire(app: FastAPI, token: str) -> None:

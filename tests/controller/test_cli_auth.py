@@ -42,7 +42,7 @@ def controller(env: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
 
     def make(url: str) -> Any:
         settings = Settings(home=env, database_url=f"sqlite:///{env / 'vigil.db'}", controller_url=url)
-        apps.append(create_app(settings, None, background=False, mount_dashboard=False))
+        apps.append(create_app(settings, None, background=False))
         return apps[-1]
 
     server = start_live_server(make)

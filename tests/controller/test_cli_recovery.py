@@ -29,7 +29,7 @@ def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str,
 
     def make(url: str) -> Any:
         settings = Settings(home=home, database_url=f"sqlite:///{home / 'vigil.db'}", controller_url=url)
-        apps.append(create_app(settings, FakeLauncher(), background=False, mount_dashboard=False))
+        apps.append(create_app(settings, FakeLauncher(), background=False))
         return apps[-1]
 
     server = start_live_server(make)

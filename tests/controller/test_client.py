@@ -41,7 +41,7 @@ def running(tmp_path: Path) -> Iterator[tuple[VigilClient, str]]:
 
     def make(url: str) -> Any:
         settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'vigil.db'}", controller_url=url)
-        apps.append(create_app(settings, FakeLauncher(), background=False, mount_dashboard=False))
+        apps.append(create_app(settings, FakeLauncher(), background=False))
         return apps[-1]
 
     server = start_live_server(make)

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_openapi_fuzz_finds_no_server_error(db_url: str, tmp_path: Path) -> None:
     app = create_app(Settings(home=tmp_path, database_url=db_url, max_body_bytes=256 * 1024), FakeLauncher(),
-                     background=False, mount_dashboard=False)
+                     background=False)
     headers = bearer(issue_token(app, "admin"))
     schema = schemathesis.openapi.from_asgi("/api/v1/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]

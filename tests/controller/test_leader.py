@@ -185,8 +185,7 @@ def test_the_monitor_counts_silence_from_when_it_started_leading(sqlite_sessions
 
 
 def test_healthz_on_sqlite_says_leader(tmp_path: Path, sqlite_url: str) -> None:
-    app = create_app(Settings(home=tmp_path, database_url=sqlite_url), FakeLauncher(), background=False,
-                     mount_dashboard=False)
+    app = create_app(Settings(home=tmp_path, database_url=sqlite_url), FakeLauncher(), background=False)
     with TestClient(app) as c:
         assert c.get(f"{API}/healthz").json() == {"status": "ok", "database": "sqlite", "version": app.version,
                                                    "leader": True}
@@ -197,7 +196,7 @@ def test_two_apps_on_one_sqlite_file_have_one_leader(tmp_path: Path, sqlite_url:
     lets one run the loops, and another takes over when it stops."""
     def app(name: str) -> Any:
         return create_app(Settings(home=tmp_path / name, database_url=sqlite_url, leader_interval_s=INTERVAL),
-                          FakeLauncher(), mount_dashboard=False)
+                          FakeLauncher())
 
     a, b = app("a"), app("b")
     assert isinstance(a.state.leadership.lock, FileLock)
@@ -301,7 +300,7 @@ def test_a_holder_killed_with_sigkill_frees_the_lock(postgres_url: str) -> None:
 def _app(tmp_path: Path, url: str, name: str) -> Any:
     settings = Settings(home=tmp_path / name, database_url=url, leader_interval_s=INTERVAL, controller_id=name,
                         monitor_interval_s=0.2)
-    return create_app(settings, FakeLauncher(), background=True, mount_dashboard=False)
+    return create_app(settings, FakeLauncher(), background=True)
 
 
 def _loops(app: Any) -> list[bool]:
@@ -354,8 +353,7 @@ def test_each_monitor_pass_is_timed_on_metrics(tmp_path: Path, sqlite_url: str) 
     benchmark checks that detection keeps its pace during a flood of telemetry."""
     from tests.auth import bearer, issue_token
 
-    app = create_app(Settings(home=tmp_path, database_url=sqlite_url), FakeLauncher(), background=False,
-                     mount_dashboard=False)
+    app = create_app(Settings(home=tmp_path, database_url=sqlite_url), FakeLauncher(), background=False)
 
     def count(text: str) -> float:
         return next(float(line.split()[-1]) for line in text.splitlines()

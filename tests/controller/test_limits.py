@@ -32,8 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _client(db_url: str, home: Path, **settings: Any) -> Iterator[TestClient]:
-    app = create_app(Settings(home=home, database_url=db_url, **settings), FakeLauncher(), background=False,
-                     mount_dashboard=False)
+    app = create_app(Settings(home=home, database_url=db_url, **settings), FakeLauncher(), background=False)
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         yield c
 

@@ -77,7 +77,7 @@ class Rig:
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
-    app = create_app(settings, FakeLauncher(), background=False, mount_dashboard=False)
+    app = create_app(settings, FakeLauncher(), background=False)
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         spec = {"name": "nic", "steps": 10000, "scaling": {"min_workers": 4, "max_workers": 4},
                 "recovery": {"policy": "observe"}}

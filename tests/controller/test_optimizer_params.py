@@ -118,7 +118,7 @@ def test_messages_say_the_rule() -> None:
 @pytest.fixture
 def client(sqlite_url: str, tmp_path: Path) -> Iterator[TestClient]:
     settings = Settings(home=tmp_path, database_url=sqlite_url)
-    app = create_app(settings, FakeLauncher(), background=False, mount_dashboard=False)
+    app = create_app(settings, FakeLauncher(), background=False)
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         yield c
 

@@ -174,7 +174,7 @@ def test_store_is_content_addressed_and_idempotent(tmp_path: Path) -> None:
 
 def _app(db_url: str, home: Path, launcher: FakeLauncher | None = None, **settings: Any):  # type: ignore[no-untyped-def]
     return create_app(Settings(home=home, database_url=db_url, **settings), launcher or FakeLauncher(),
-                      background=False, mount_dashboard=False)
+                      background=False)
 
 
 @pytest.fixture

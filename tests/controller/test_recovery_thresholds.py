@@ -29,7 +29,7 @@ BASE = {"name": "t", "steps": 1000, "scaling": {"min_workers": 2, "max_workers":
 def rig(tmp_path: Path) -> Iterator[Env]:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
     launcher, cluster, clock = FakeLauncher(), FakeCluster(), Clock()
-    app = create_app(settings, launcher, cluster=cluster, background=False, mount_dashboard=False)
+    app = create_app(settings, launcher, cluster=cluster, background=False)
     app.state.monitor = Monitor(app.state.sessions, launcher, cluster, clock=clock)
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         yield Env(c, app.state.monitor, clock, cluster, launcher)

@@ -45,7 +45,7 @@ KINDS = [("all_reduce", "world", "grads"), ("all_gather", "world", "weights")]
 
 def make_client(db_url: str, tmp_path: Path, **settings: Any) -> TestClient:
     s = Settings(home=tmp_path, database_url=db_url, max_body_bytes=4 << 20, aggregate_settle_s=2.0, **settings)
-    app = create_app(s, None, background=False, mount_dashboard=False)
+    app = create_app(s, None, background=False)
     return TestClient(app, headers=bearer(issue_token(app, "admin")))
 
 

@@ -26,7 +26,7 @@ API = "/api/v1"
 @pytest.fixture
 def app(tmp_path: Path):  # type: ignore[no-untyped-def]
     s = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
-    return create_app(s, FakeLauncher(), background=False, mount_dashboard=False)
+    return create_app(s, FakeLauncher(), background=False)
 
 
 def test_whoami_names_the_token_and_its_scope(app) -> None:  # type: ignore[no-untyped-def]

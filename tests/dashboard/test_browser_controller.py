@@ -2,7 +2,8 @@
 
 The controller runs live (:class:`tests.live_controller.LiveController`: uvicorn, SQLite in
 ``tmp_path``, a fake Ray launcher that leaves the submitted job PENDING) with the dashboard mounted by
-the controller itself (``create_app(mount_dashboard=True)``: its own URL, its own internal token). The job and its per-rank steps
+the controller itself (``create_app`` with ``ops.dashboard_mount.mount_dashboard``, as ``vigil controller``
+builds it: its own URL, its own internal token). The job and its per-rank steps
 enter through the public REST API (``POST /jobs`` with an admin token, ``POST /telemetry`` with an
 agent token, as agents send them), so what the browser shows went through the controller's
 storage and its metrics endpoint; the dashboard reads it with its own (server-side) viewer token.

@@ -110,7 +110,7 @@ class Replay:
 @pytest.fixture
 def replay(tmp_path: Path) -> Iterator[Replay]:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
-    app = create_app(settings, background=False, mount_dashboard=False)
+    app = create_app(settings, background=False)
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         spec = {"name": "nic", "steps": 100000, "scaling": {"min_workers": NODES, "max_workers": NODES}}
         job_id = c.post(f"{API}/jobs", json=spec).json()["id"]
