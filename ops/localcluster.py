@@ -30,7 +30,7 @@ import httpx
 
 from controller.checkpoint_layout import is_uri
 from controller.probe import free_port, wait_for
-from controller.rankuser import isolate
+from controller.rankuser import Isolation, isolate
 from controller.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
 from ops.agentkeeper import AgentKeeper, raylet_running
 from ops.netns import LinkSpec, NetnsCluster
@@ -218,138 +218,213 @@ def start_local_cluster(
     no CPUs either way, so ranks run only on worker nodes (namespaced: where gloo uses ``eth0``).
     Without root (or ``ip``/``tc``) it says why in one line and starts the plain cluster.
     """
-    if standby_controllers < 0:
-        raise ValueError(f"standby_controllers must be >= 0, got {standby_controllers}")
-    if standby_controllers and not (database_url or "").startswith(("postgresql", "postgres:")):
-        raise ValueError("standby_controllers needs a PostgreSQL database_url (controllers share a database and "
-                         "take turns under its advisory lock; SQLite serves one controller)")
+    _check_standbys(standby_controllers, database_url)
     home = home.resolve()
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="vigil-run-", dir="/tmp"))
     run_dir.chmod(0o755)  # the ranks reach their agent's socket in it (the agent refuses it writable by others)
-    log_dir = home / "logs"
     pid_file = home / "run" / "pids.json"
     clean_stale(pid_file)
     cleanup_stale_netns(home)  # a crashed run's namespaces, veths and bridge (whether or not this one uses them)
     ensure_ray_token()
     # Short, private temp dir: Ray's unix socket paths must stay under 108 bytes.
     ray_temp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
-    # As root, every raylet (so every rank and job driver) runs as an unprivileged user of its own; the
-    # home, 0700, keeps the admin token and the database from it (controller/rankuser.py).
-    settings = Settings(home=home)
-    try:
-        uri = settings.resolved_storage() if is_uri(settings.storage_path) else None
-        iso = isolate(home, ray_temp, uri or settings.storage_path, home / "storage" if uri else settings.resolved_storage_path())
-    except BaseException:
-        shutil.rmtree(ray_temp, ignore_errors=True)
-        raise
+    iso = _isolate(home, ray_temp)
     net = _create_netns(home, nodes, link) if netns else None
     db_url = database_url or f"sqlite:///{home / 'vigil.db'}"
     tokens = _bootstrap(home, db_url, [node_name(i) for i in range(nodes + 1)])
-    auth = {"Authorization": f"Bearer {tokens.admin}"}
-
-    procs = ProcessGroup(pid_file)
-    gcs_port, dash_port = free_port(), free_port()
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    base = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **iso.env)
-    for name in SECRET_ENVS:  # from the user's shell: each child gets exactly the token it needs
-        base.pop(name, None)
-    # The raylets' environment (their workers are the jobs' ranks) from an allowlist, never a copy of the
-    # operator's: no VIGIL_HOME, database URL or token reaches a rank (docs/SECURITY.md).
-    env = child_env(base)
-    dashboard_url = f"http://{LOOPBACK}:{dash_port}"
-    controller_url = f"http://{LOOPBACK}:{port}"
-    ports = [port, *(free_port() for _ in range(standby_controllers))]
-    controller_urls = [f"http://{LOOPBACK}:{p}" for p in ports]
-    controller_names = ["controller", *(f"controller-{i}" for i in range(1, len(ports)))]
-    # Where the nodes reach the head and the controllers: loopback, or the bridge from a namespace.
-    head_ip = net.gateway if net else LOOPBACK
-    node_controller_urls = ",".join(f"http://{head_ip}:{p}" for p in ports)
-    join_cmds: dict[str, list[str]] = {}
+    c = _Launch.plan(home, run_dir, ProcessGroup(pid_file), iso, net, ray_temp, port, standby_controllers,
+                     timeout)
+    node_ids = [node_name(i) for i in range(nodes + 1)]
     try:
-        common = ["--block", f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
-        # The head runs no ranks (as Ray advises for real clusters): it holds the GCS, every job's driver
-        # and Ray Train controller, and is the one node Vigil never evicts (recovery/actions.py).
-        head_cpus = 0
-        procs.start("ray-head", [*iso.drop, ray_bin, "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_temp}",
-                                 "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
-                                 f"--dashboard-port={dash_port}", "--resources", json.dumps({"vigil_node_0": 1}),
-                                 f"--node-name={node_name(0)}", f"--num-cpus={head_cpus}",
-                                 f"--node-ip-address={head_ip}", *common, *_agent_port(),
-                                 # Not Ray's fixed 10001: another head on the host, run by another user, holds it.
-                                 f"--ray-client-server-port={free_port()}"], env, log_dir)
-        wait_for(lambda: _ray_nodes(dashboard_url).get(node_name(0)), timeout, "the Ray head", 0.5, (Exception,))
-        # One node at a time: Ray gives a raylet 30 s to register with the GCS, which an overloaded
-        # machine can miss; a node whose `ray start` gave up is started again.
-        for i in range(1, nodes + 1):
-            argv = [*iso.drop, ray_bin, "start", f"--address={head_ip}:{gcs_port}", f"--node-name={node_name(i)}",
-                    "--resources", json.dumps({f"vigil_node_{i}": 1}), f"--num-cpus={cpus_per_node}", *common,
-                    *_agent_port()]
-            node_env = env
-            if net:
-                # Its own address and temp dir (a second raylet sharing the head's does not register);
-                # gloo on its eth0 (Ray's workers, the ranks, inherit the raylet's environment).
-                argv += [f"--node-ip-address={net.node(i).address}", f"--temp-dir={ray_temp}/n{i}"]
-                node_env = dict(env, GLOO_SOCKET_IFNAME=net.node(i).iface)
-            else:
-                argv.append(f"--node-ip-address={LOOPBACK}")
-            join_cmds[node_name(i)] = argv  # the agent runs it from inside the node's namespace
-            _start_node_with_retries(procs, f"ray-node-{i}", net.node(i).exec_argv(argv) if net else argv,
-                                     node_env, log_dir, dashboard_url, timeout)
-        node_ids = [node_name(i) for i in range(nodes + 1)]
-
-        vigil_env = dict(base, VIGIL_HOME=str(home), VIGIL_RAY_ADDRESS=dashboard_url, VIGIL_PORT=str(port),
-                         VIGIL_CONTROLLER_URL=controller_url, VIGIL_RUN_DIR=str(run_dir),
-                         VIGIL_RAY_GCS_ADDRESS=f"{head_ip}:{gcs_port}",
-                         VIGIL_STORAGE_PATH=str(iso.storage))
-        if database_url:
-            vigil_env["VIGIL_DATABASE_URL"] = database_url
-        vigil = [sys.executable, "-m", "ops.cli"]
-        listen = ["--extra-host", head_ip, "--allow-remote"] if net else []
-        # The first controller alone until it answers: it takes the leader lock before its API is up,
-        # so it leads and the standbys started after it wait.
-        for name, p, url in zip(controller_names, ports, controller_urls, strict=True):
-            procs.start(name, [*vigil, "controller", "--port", str(p), *listen],
-                        dict(vigil_env, VIGIL_PORT=str(p), VIGIL_CONTROLLER_URL=url), log_dir)
-            wait_for(partial(_answers, url), timeout, f"the controller on {url}", 0.5, (Exception,))
-        agents_url = ",".join(controller_urls)
-        for i, node_id in enumerate(node_ids):
-            # Each agent its own node's token, by env: a --token would show in `ps`.
-            agent_env = dict(vigil_env, VIGIL_TOKEN=tokens.agents[node_id], VIGIL_CONTROLLER_URL=agents_url)
-            url = node_controller_urls if net and i > 0 else agents_url
-            argv = [*vigil, "agent", "--node-id", node_id, "--controller", url,
-                    "--ray-gcs-address", f"{head_ip}:{gcs_port}",  # another cluster here may name its nodes alike
-                    "--socket", str(agent_socket_path(run_dir, node_id)),
-                    "--spool-dir", str(home / "spool" / node_id), *agent_extra_args(node_id, join_cmds, iso.storage, procs)]
-            if iso.user is not None:
-                argv += ["--socket-group", str(iso.user.gid)]  # its ranks (the rank user) may write to its socket
-            if net and i > 0:
-                # Inside the node's namespace: its heartbeats carry that node's eth0 counters, and its
-                # network faults shape that eth0 (agent/netfaults.py), restoring `link` on clear.
-                procs.start(f"agent-{i}", net.node(i).exec_argv(argv),
-                            dict(agent_env, VIGIL_CONTROLLER_URL=url, VIGIL_NIC_IFACE=net.node(i).iface,
-                                 VIGIL_NIC_LINK=net.link.to_json(),
-                                 # The raylet it starts again on readmission (and so the ranks there) use
-                                 # gloo on eth0 like the first one, not loopback, which the peers cannot reach.
-                                 GLOO_SOCKET_IFNAME=net.node(i).iface), log_dir)
-            else:
-                procs.start(f"agent-{i}", argv, agent_env, log_dir)
-        wait_for(lambda: httpx.get(f"{controller_url}/api/v1/nodes", headers=auth, timeout=2).json()["count"]
+        _start_ray(c, nodes, cpus_per_node, object_store_bytes)
+        vigil_env = _vigil_env(c, database_url)
+        _start_controllers(c, vigil_env)
+        _start_agents(c, vigil_env, node_ids, tokens.agents)
+        auth = {"Authorization": f"Bearer {tokens.admin}"}
+        wait_for(lambda: httpx.get(f"{c.controller_url}/api/v1/nodes", headers=auth, timeout=2).json()["count"]
                  >= nodes + 1, timeout, "every agent's first heartbeat", 0.5, (Exception,))
     except BaseException:
-        procs.stop_all()
+        c.procs.stop_all()
         if net is not None:
             net.destroy()
         shutil.rmtree(ray_temp, ignore_errors=True)
         _revoke(db_url, tokens.agent_token_ids)
         raise
-    keeper = AgentKeeper(procs, {f"agent-{i}": node_id for i, node_id in enumerate(node_ids)},
-                         raylet_alive=partial(raylet_running, gcs_address=f"{head_ip}:{gcs_port}"))
+    keeper = AgentKeeper(c.procs, {f"agent-{i}": node_id for i, node_id in enumerate(node_ids)},
+                         raylet_alive=partial(raylet_running, gcs_address=c.gcs_address))
     keeper.start()
-    return LocalCluster(home, controller_url, f"{head_ip}:{gcs_port}", dashboard_url, node_ids, procs, ray_temp,
-                        run_dir, controller_urls=controller_urls, controller_names=controller_names,
+    return LocalCluster(home, c.controller_url, c.gcs_address, c.dashboard_url, node_ids, c.procs, ray_temp,
+                        run_dir, controller_urls=c.controller_urls, controller_names=c.controller_names,
                         admin_token=tokens.admin, admin_token_path=tokens.admin_path, database_url=db_url,
                         agent_token_ids=tokens.agent_token_ids, netns=net, storage=iso.storage,
                         rank_user=iso.user.name if iso.user else None, keeper=keeper)
+
+
+def _check_standbys(standby_controllers: int, database_url: str | None) -> None:
+    if standby_controllers < 0:
+        raise ValueError(f"standby_controllers must be >= 0, got {standby_controllers}")
+    if standby_controllers and not (database_url or "").startswith(("postgresql", "postgres:")):
+        raise ValueError("standby_controllers needs a PostgreSQL database_url (controllers share a database and "
+                         "take turns under its advisory lock; SQLite serves one controller)")
+
+
+def _isolate(home: Path, ray_temp: Path) -> Isolation:
+    """As root, every raylet (so every rank and job driver) runs as an unprivileged user of its own; the
+    home, 0700, keeps the admin token and the database from it (controller/rankuser.py)."""
+    settings = Settings(home=home)
+    try:
+        uri = settings.resolved_storage() if is_uri(settings.storage_path) else None
+        return isolate(home, ray_temp, uri or settings.storage_path,
+                       home / "storage" if uri else settings.resolved_storage_path())
+    except BaseException:
+        shutil.rmtree(ray_temp, ignore_errors=True)
+        raise
+
+
+@dataclass
+class _Launch:
+    """What starting the cluster's processes shares: where they log, their environment, ports and URLs."""
+
+    home: Path
+    run_dir: Path
+    log_dir: Path
+    procs: ProcessGroup
+    iso: Isolation
+    net: NetnsCluster | None
+    ray_temp: Path
+    timeout: float
+    base: dict[str, str]
+    """This process's environment, less the secrets, plus the rank user's: the Vigil processes'."""
+    env: dict[str, str]
+    """The raylets' environment (their workers are the jobs' ranks)."""
+    gcs_port: int
+    dash_port: int
+    port: int
+    ports: list[int]
+    controller_names: list[str]
+    head_ip: str
+    """Where the nodes reach the head and the controllers: loopback, or the bridge from a namespace."""
+    join_cmds: dict[str, list[str]] = field(default_factory=dict)
+    ray_bin: str = field(default_factory=lambda: str(Path(sys.executable).parent / "ray"))
+
+    @classmethod
+    def plan(cls, home: Path, run_dir: Path, procs: ProcessGroup, iso: Isolation, net: NetnsCluster | None,
+             ray_temp: Path, port: int, standby_controllers: int, timeout: float) -> _Launch:
+        gcs_port, dash_port = free_port(), free_port()
+        base = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **iso.env)
+        for name in SECRET_ENVS:  # from the user's shell: each child gets exactly the token it needs
+            base.pop(name, None)
+        # The raylets' environment from an allowlist, never a copy of the operator's: no VIGIL_HOME,
+        # database URL or token reaches a rank (docs/SECURITY.md).
+        env = child_env(base)
+        ports = [port, *(free_port() for _ in range(standby_controllers))]
+        names = ["controller", *(f"controller-{i}" for i in range(1, len(ports)))]
+        return cls(home, run_dir, home / "logs", procs, iso, net, ray_temp, timeout, base, env, gcs_port, dash_port,
+                   port, ports, names, net.gateway if net else LOOPBACK)
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.dash_port}"
+
+    @property
+    def controller_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def controller_urls(self) -> list[str]:
+        return [f"http://{LOOPBACK}:{p}" for p in self.ports]
+
+    @property
+    def node_controller_urls(self) -> str:
+        return ",".join(f"http://{self.head_ip}:{p}" for p in self.ports)
+
+    @property
+    def gcs_address(self) -> str:
+        return f"{self.head_ip}:{self.gcs_port}"
+
+
+def _start_ray(c: _Launch, nodes: int, cpus_per_node: int, object_store_bytes: int) -> None:
+    """The Ray head, then the worker raylets one by one (their ``ray start`` in ``c.join_cmds``)."""
+    common = ["--block", f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
+    # The head runs no ranks (as Ray advises for real clusters): it holds the GCS, every job's driver
+    # and Ray Train controller, and is the one node Vigil never evicts (recovery/actions.py).
+    head_cpus = 0
+    c.procs.start("ray-head", [*c.iso.drop, c.ray_bin, "start", "--head", f"--port={c.gcs_port}",
+                               f"--temp-dir={c.ray_temp}", "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
+                               f"--dashboard-port={c.dash_port}", "--resources", json.dumps({"vigil_node_0": 1}),
+                               f"--node-name={node_name(0)}", f"--num-cpus={head_cpus}",
+                               f"--node-ip-address={c.head_ip}", *common, *_agent_port(),
+                               # Not Ray's fixed 10001: another head on the host, run by another user, holds it.
+                               f"--ray-client-server-port={free_port()}"], c.env, c.log_dir)
+    wait_for(lambda: _ray_nodes(c.dashboard_url).get(node_name(0)), c.timeout, "the Ray head", 0.5, (Exception,))
+    # One node at a time: Ray gives a raylet 30 s to register with the GCS, which an overloaded
+    # machine can miss; a node whose `ray start` gave up is started again.
+    for i in range(1, nodes + 1):
+        argv = [*c.iso.drop, c.ray_bin, "start", f"--address={c.gcs_address}", f"--node-name={node_name(i)}",
+                "--resources", json.dumps({f"vigil_node_{i}": 1}), f"--num-cpus={cpus_per_node}", *common,
+                *_agent_port()]
+        node_env = c.env
+        if c.net:
+            # Its own address and temp dir (a second raylet sharing the head's does not register);
+            # gloo on its eth0 (Ray's workers, the ranks, inherit the raylet's environment).
+            argv += [f"--node-ip-address={c.net.node(i).address}", f"--temp-dir={c.ray_temp}/n{i}"]
+            node_env = dict(c.env, GLOO_SOCKET_IFNAME=c.net.node(i).iface)
+        else:
+            argv.append(f"--node-ip-address={LOOPBACK}")
+        c.join_cmds[node_name(i)] = argv  # the agent runs it from inside the node's namespace
+        _start_node_with_retries(c.procs, f"ray-node-{i}", c.net.node(i).exec_argv(argv) if c.net else argv,
+                                 node_env, c.log_dir, c.dashboard_url, c.timeout)
+
+
+def _vigil_env(c: _Launch, database_url: str | None) -> dict[str, str]:
+    """The environment of the controllers and the agents."""
+    vigil_env = dict(c.base, VIGIL_HOME=str(c.home), VIGIL_RAY_ADDRESS=c.dashboard_url, VIGIL_PORT=str(c.port),
+                     VIGIL_CONTROLLER_URL=c.controller_url, VIGIL_RUN_DIR=str(c.run_dir),
+                     VIGIL_RAY_GCS_ADDRESS=c.gcs_address,
+                     VIGIL_STORAGE_PATH=str(c.iso.storage))
+    if database_url:
+        vigil_env["VIGIL_DATABASE_URL"] = database_url
+    return vigil_env
+
+
+VIGIL = [sys.executable, "-m", "ops.cli"]
+"""The ``vigil`` command, from this interpreter."""
+
+
+def _start_controllers(c: _Launch, vigil_env: dict[str, str]) -> None:
+    """The first controller alone until it answers: it takes the leader lock before its API is up, so it
+    leads and the standbys started after it wait."""
+    listen = ["--extra-host", c.head_ip, "--allow-remote"] if c.net else []
+    for name, p, url in zip(c.controller_names, c.ports, c.controller_urls, strict=True):
+        c.procs.start(name, [*VIGIL, "controller", "--port", str(p), *listen],
+                      dict(vigil_env, VIGIL_PORT=str(p), VIGIL_CONTROLLER_URL=url), c.log_dir)
+        wait_for(partial(_answers, url), c.timeout, f"the controller on {url}", 0.5, (Exception,))
+
+
+def _start_agents(c: _Launch, vigil_env: dict[str, str], node_ids: list[str], tokens: dict[str, str]) -> None:
+    """One agent per node, each with its own node's token (by env: a --token would show in `ps`)."""
+    agents_url = ",".join(c.controller_urls)
+    for i, node_id in enumerate(node_ids):
+        agent_env = dict(vigil_env, VIGIL_TOKEN=tokens[node_id], VIGIL_CONTROLLER_URL=agents_url)
+        url = c.node_controller_urls if c.net and i > 0 else agents_url
+        argv = [*VIGIL, "agent", "--node-id", node_id, "--controller", url,
+                "--ray-gcs-address", c.gcs_address,  # another cluster here may name its nodes alike
+                "--socket", str(agent_socket_path(c.run_dir, node_id)),
+                "--spool-dir", str(c.home / "spool" / node_id),
+                *agent_extra_args(node_id, c.join_cmds, c.iso.storage, c.procs)]
+        if c.iso.user is not None:
+            argv += ["--socket-group", str(c.iso.user.gid)]  # its ranks (the rank user) may write to its socket
+        if c.net and i > 0:
+            # Inside the node's namespace: its heartbeats carry that node's eth0 counters, and its
+            # network faults shape that eth0 (agent/netfaults.py), restoring `link` on clear.
+            c.procs.start(f"agent-{i}", c.net.node(i).exec_argv(argv),
+                          dict(agent_env, VIGIL_CONTROLLER_URL=url, VIGIL_NIC_IFACE=c.net.node(i).iface,
+                               VIGIL_NIC_LINK=c.net.link.to_json(),
+                               # The raylet it starts again on readmission (and so the ranks there) use
+                               # gloo on eth0 like the first one, not loopback, which the peers cannot reach.
+                               GLOO_SOCKET_IFNAME=c.net.node(i).iface), c.log_dir)
+        else:
+            c.procs.start(f"agent-{i}", argv, agent_env, c.log_dir)
 
 
 def _answers(url: str) -> bool:

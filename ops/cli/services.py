@@ -20,6 +20,8 @@ from ops.cli.jobs import demo_job_spec, follow_job, load_job_file
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from ops.localcluster import LocalCluster
+
 log = logging.getLogger("vigil")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -228,36 +230,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
-        print(f"dashboard:  {cluster.controller_url}/dashboard/")
-        print(f"REST API:   {cluster.controller_url}/api/v1/docs")
-        print(f"Ray:        {cluster.dashboard_url}   logs: {home.resolve() / 'logs'}")
-        if len(cluster.controller_urls) > 1:
-            print(f"standby:    {', '.join(cluster.controller_urls[1:])} (take over when the leader dies)")
-        if cluster.netns is not None:
-            net = cluster.netns
-            print(f"network:    bridge {net.bridge} {net.gateway}/{net.prefix_len}; "
-                  + ", ".join(f"{n.namespace} {n.address}" for n in net.nodes) + f"; link {net.link}")
-        print(f"admin token: {cluster.admin_token_path} (the CLI reads it; or export VIGIL_TOKEN)")
-        print(f"ranks:      run as {cluster.rank_user or 'this user (not root: cannot switch users)'}; "
-              f"checkpoints in {cluster.storage}")
+        _print_cluster(cluster, home)
         with VigilClient(cluster.controller_url, token=cluster.admin_token) as client:
             if not args.no_demo:
-                spec = load_job_file(Path(args.job)) if args.job else demo_job_spec()
-                job = client.submit_job(spec)
-                print(f"submitted {job.id} ({spec.name}); Ctrl-C stops everything")
-                if not args.job and not args.no_fault:
-                    # The demo shows recovery too: a rank is killed (SIGKILL by its node's agent) midway;
-                    # Vigil names it, Ray Train restarts the ranks from the newest valid checkpoint.
-                    at = spec.steps // 2
-                    client.inject_fault(job.id, FaultCreate(kind=FaultKind.KILL_RANK, rank=1, step=at))
-                    print(f"fault injection: rank 1 will be killed at step {at} (--no-fault to skip)")
-                job = follow_job(client, job.id, stop)
-                if job.status.is_terminal():
-                    print(f"{job.id} {job.status.value}, loss {job.last_loss}" +
-                          (f": {job.message}" if job.message else ""), flush=True)
-                    for inc in client.job_incidents(job.id).data:
-                        print(f"incident {inc.id}: {inc.kind.value} node={inc.node_id} rank={inc.rank} "
-                              f"{inc.status.value} - {inc.action}")
+                _run_job(client, args, stop)
             if args.exit_after_job:
                 return 0
             print("serving; Ctrl-C to stop", flush=True)
@@ -269,6 +245,42 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         print("stopped", flush=True)
     return 0
+
+
+def _print_cluster(cluster: LocalCluster, home: Path) -> None:
+    """Where ``vigil up``'s cluster answers: the dashboard, the API, Ray, the standbys, the network, the token."""
+    print(f"dashboard:  {cluster.controller_url}/dashboard/")
+    print(f"REST API:   {cluster.controller_url}/api/v1/docs")
+    print(f"Ray:        {cluster.dashboard_url}   logs: {home.resolve() / 'logs'}")
+    if len(cluster.controller_urls) > 1:
+        print(f"standby:    {', '.join(cluster.controller_urls[1:])} (take over when the leader dies)")
+    if cluster.netns is not None:
+        net = cluster.netns
+        print(f"network:    bridge {net.bridge} {net.gateway}/{net.prefix_len}; "
+              + ", ".join(f"{n.namespace} {n.address}" for n in net.nodes) + f"; link {net.link}")
+    print(f"admin token: {cluster.admin_token_path} (the CLI reads it; or export VIGIL_TOKEN)")
+    print(f"ranks:      run as {cluster.rank_user or 'this user (not root: cannot switch users)'}; "
+          f"checkpoints in {cluster.storage}")
+
+
+def _run_job(client: VigilClient, args: argparse.Namespace, stop: threading.Event) -> None:
+    """Submit ``--job`` (or the demo, with its fault unless ``--no-fault``), follow it, report how it ended."""
+    spec = load_job_file(Path(args.job)) if args.job else demo_job_spec()
+    job = client.submit_job(spec)
+    print(f"submitted {job.id} ({spec.name}); Ctrl-C stops everything")
+    if not args.job and not args.no_fault:
+        # The demo shows recovery too: a rank is killed (SIGKILL by its node's agent) midway;
+        # Vigil names it, Ray Train restarts the ranks from the newest valid checkpoint.
+        at = spec.steps // 2
+        client.inject_fault(job.id, FaultCreate(kind=FaultKind.KILL_RANK, rank=1, step=at))
+        print(f"fault injection: rank 1 will be killed at step {at} (--no-fault to skip)")
+    job = follow_job(client, job.id, stop)
+    if job.status.is_terminal():
+        print(f"{job.id} {job.status.value}, loss {job.last_loss}" +
+              (f": {job.message}" if job.message else ""), flush=True)
+        for inc in client.job_incidents(job.id).data:
+            print(f"incident {inc.id}: {inc.kind.value} node={inc.node_id} rank={inc.rank} "
+                  f"{inc.status.value} - {inc.action}")
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
