@@ -48,7 +48,9 @@ from typing import Any
 
 import httpx
 
-from ops.bench.ingest import _database, _dirty_steps, _tokens, build_bodies, controller_process
+from ops.bench.ingest import controller_process
+from ops.bench.ingest_db import _database, _dirty_steps, _tokens
+from ops.bench.ingest_load import build_bodies
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ before each batch's clock starts). ``workers``: the controller's uvicorn worker 
 (``--workers``; ``controller_cpu_s`` sums them all). The job is marked running, so the monitor runs
 its detectors on it while the posts flood in; ``monitor_pass_s`` is the longest monitor pass seen
 during the run (read from ``vigil_monitor_pass_seconds`` / ``vigil_monitor_last_pass_seconds`` on
-``/metrics`` once a second: :class:`MonitorWatch`), ``monitor_pass_p50_s`` the median,
+``/metrics`` once a second: :class:`~ops.bench.ingest_watch.MonitorWatch`), ``monitor_pass_p50_s`` the median,
 ``monitor_passes`` how many ran.
 """
 
@@ -51,27 +51,27 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Self
 
 import httpx
 
 from controller.probe import free_port
-from ops.bench.ingest_load import (
-    _STRINGS,
-    batch_columns,
-    build_bodies,
-    build_columnar_bodies,
-    plan_batches,
+from ops.bench.ingest_db import (
+    _aggregate_all,
+    _database,
+    _db_bytes,
+    _dirty_steps,
+    _mark_running,
+    _tokens,
+    db_bound,
 )
+from ops.bench.ingest_load import build_bodies, build_columnar_bodies
+from ops.bench.ingest_watch import MonitorWatch
 
 log = logging.getLogger(__name__)
-
-PG_ADMIN_URL = os.environ.get("VIGIL_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 @dataclass
 class Result:
@@ -100,201 +100,6 @@ class Result:
     monitor_passes: int = 0
 
 
-def db_bound(backend: str, home: Path, *, ranks: int, collectives: int, samples: int, agents: int, batch: int
-             ) -> float:
-    """Samples per second the database itself takes for the same rows: :func:`controller.telemetry.bulk_insert`
-    straight into a fresh database of ``backend``, one transaction per batch, no HTTP, no decoding."""
-    from controller import migrate
-    from controller.db import make_engine, make_session_factory
-    from controller.models import Job
-    from controller.telemetry import COLLECTIVE_COLUMNS, STEP_COLUMNS, bulk_insert
-
-    bound_home = home / "db-bound"
-    bound_home.mkdir(parents=True, exist_ok=True)
-    with _database(backend, bound_home) as url:
-        migrate.upgrade(url)
-        engine = make_engine(url)
-        try:
-            sessions = make_session_factory(engine)
-            job_id = "bench-bound"
-            with sessions() as s:
-                s.add(Job(id=job_id, name="bench-bound", status="running", spec={}))
-                s.commit()
-            t0 = time.time()
-            stored, spent = 0, 0.0
-            for b in plan_batches(ranks, collectives, samples, agents, batch):
-                step, coll = batch_columns(b, ranks, collectives, t0)
-                node = f"bench-node-{b.agent}"
-                rows = []
-                for cols, names in ((step, STEP_COLUMNS), (coll, COLLECTIVE_COLUMNS)):
-                    n = len(cols["rank"])
-                    lists = [[job_id] * n if c == "job_id" else
-                             [_STRINGS[i] for i in cols[c].tolist()] if c in ("op", "group", "tag") else
-                             cols[c].tolist() if c in cols else [None if c not in ("attempt", "dropped") else 0] * n
-                             for c in names]
-                    rows.append(list(zip(*lists, [node] * n, strict=True)))
-                t = time.perf_counter()
-                with sessions() as s:
-                    stored += bulk_insert(s, "step_metrics", (*STEP_COLUMNS, "node_id"), rows[0])
-                    stored += bulk_insert(s, "collective_metrics", (*COLLECTIVE_COLUMNS, "node_id"), rows[1])
-                    s.commit()
-                spent += time.perf_counter() - t
-            return stored / max(spent, 1e-9)
-        finally:
-            engine.dispose()
-
-
-class MonitorWatch:
-    """Reads the monitor's pass time off ``/metrics`` every ``period`` seconds while the posts run.
-
-    Each scrape costs the controller a few database reads, so it is not done more often than a
-    second: the histogram's bucket counts (their growth between the first and the last scrape) give
-    every pass's bucket, the latest-pass gauge a sample of exact durations. With several workers a
-    scrape reaches any of them; only the leader's answers (the monitor runs there) count.
-    """
-
-    def __init__(self, base: str, token: str, period: float = 1.0) -> None:
-        self.base, self.token, self.period = base, token, period
-        self.samples: dict[int, float] = {}  # pass count -> the latest pass's duration then
-        self.first: dict[float, float] | None = None  # bucket bound -> cumulative count, at the first scrape
-        self.last: dict[float, float] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-monitor-watch", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._scrape()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self._scrape()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self._scrape()
-
-    def _scrape(self) -> None:
-        try:
-            text = httpx.get(f"{self.base}/metrics", headers={"Authorization": f"Bearer {self.token}"},
-                             timeout=10).text
-        except httpx.HTTPError:
-            return
-        count = _metric(text, "vigil_monitor_pass_seconds_count")
-        if not count:
-            return  # a worker that does not lead (or no pass yet)
-        buckets = {float(le): v for le, v in _buckets(text, "vigil_monitor_pass_seconds_bucket").items()}
-        if self.first is None:
-            self.first = buckets
-        else:
-            self.samples[int(count)] = float(_metric(text, "vigil_monitor_last_pass_seconds") or 0.0)
-        self.last = buckets
-
-    def summary(self) -> tuple[float | None, float | None, int]:
-        """(longest pass, median pass, passes) during the watch: the longest and the median are the
-        larger of the longest sampled pass and the lower bound of the highest bucket that grew."""
-        if self.first is None or self.last is None:
-            return None, None, 0
-        grew = {le: self.last[le] - self.first.get(le, 0.0) for le in sorted(self.last)}
-        passes = int(grew.get(float("inf"), 0.0))
-        if passes == 0:
-            return None, None, 0
-        bounds = sorted(grew)
-        lower = {b: (bounds[i - 1] if i else 0.0) for i, b in enumerate(bounds)}
-        top = next(b for b in bounds if grew[b] >= passes)  # every pass is at or under this bound
-        mid = next(b for b in bounds if grew[b] >= passes / 2)
-        seen = sorted(self.samples.values())
-        longest = max([lower[top], *seen])
-        median = seen[len(seen) // 2] if seen else lower[mid]
-        return round(longest, 4), round(median, 4), passes
-
-
-def _buckets(text: str, name: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out["inf" if le == "+Inf" else le] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def _metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith((name + " ", name + "{")):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-@contextmanager
-def _database(backend: str, home: Path) -> Iterator[str]:
-    if backend == "sqlite":
-        yield f"sqlite:///{home / 'vigil.db'}"
-        return
-    import psycopg
-
-    name = f"vigil_bench_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _db_bytes(url: str) -> int:
-    from sqlalchemy import text
-
-    from controller.db import make_engine
-
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            if engine.dialect.name == "sqlite":
-                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
-                pages = conn.exec_driver_sql("PRAGMA page_count").scalar() or 0
-                free = conn.exec_driver_sql("PRAGMA freelist_count").scalar() or 0
-                size = conn.exec_driver_sql("PRAGMA page_size").scalar() or 0
-                return int((pages - free) * size)
-            return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar() or 0)
-    finally:
-        engine.dispose()
-
-
-def _tokens(url: str) -> tuple[str, str]:
-    """(admin, agent) tokens issued straight in the database, as ``vigil up`` does."""
-    from controller import migrate
-    from controller.db import make_engine, make_session_factory, session_scope
-    from controller.schemas import Role, TokenCreate
-    from controller.tokens import create_token
-
-    migrate.upgrade(url)
-    engine = make_engine(url)
-    try:
-        sessions = make_session_factory(engine)
-        with session_scope(sessions) as s:
-            admin = create_token(s, TokenCreate(role=Role.ADMIN, name="bench")).token
-            agent = create_token(s, TokenCreate(role=Role.AGENT, name="bench agents")).token
-        return admin, agent
-    finally:
-        engine.dispose()
-
-
-def _dirty_steps(url: str) -> int:
-    from sqlalchemy import func, select
-
-    from controller.db import make_engine
-    from controller.models import TelemetryDirtyStep
-
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(select(func.count()).select_from(TelemetryDirtyStep)).scalar() or 0)
-    finally:
-        engine.dispose()
-
-
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its live children so far (the controller's own work,
     its worker processes included, whatever else runs)."""
@@ -309,21 +114,6 @@ def _cpu_seconds(pid: int) -> float:
             continue
         total += t.user + t.system
     return float(total)
-
-
-def _mark_running(url: str, job_id: str) -> None:
-    """The job as if Ray ran it: the monitor then runs its detectors on it during the flood."""
-    from sqlalchemy import update
-
-    from controller.db import make_engine
-    from controller.models import Job
-
-    engine = make_engine(url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(update(Job).where(Job.id == job_id).values(status="running"))
-    finally:
-        engine.dispose()
 
 
 @contextmanager
@@ -368,20 +158,6 @@ def controller_process(url: str, home: Path, pid_out: list[int] | None = None, a
             proc.wait(5)
 
 
-def _aggregate_all(url: str) -> float:
-    """Seconds to aggregate every dirty step now, in this process (one thread, as the controller does)."""
-    from controller.aggregation import TelemetryMaintainer
-    from controller.db import make_engine, make_session_factory
-
-    engine = make_engine(url)
-    try:
-        t = time.perf_counter()
-        TelemetryMaintainer(make_session_factory(engine), retention_s=1e9, settle_s=0.0).flush()
-        return time.perf_counter() - t
-    finally:
-        engine.dispose()
-
-
 def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, agents: int, batch: int,
                 concurrency: int, wait_aggregates: float, aggregate_during: bool = True, fmt: str = "columnar",
                 workers: int = 1, measure_bound: bool = True) -> Result:
@@ -399,63 +175,13 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
                 _mark_running(url, job_id)
                 bodies = (build_columnar_bodies if fmt == "columnar" else build_bodies)(
                     job_id, ranks, collectives, samples, agents, batch)
-                path = "/api/v1/telemetry/columnar" if fmt == "columnar" else "/api/v1/telemetry"
-                ctype = "application/vnd.vigil.columnar+msgpack" if fmt == "columnar" else "application/json"
                 before = _db_bytes(url)
-                work: queue.Queue[bytes] = queue.Queue()
-                for b in bodies:
-                    work.put(b)
-                latencies: list[float] = []
-                stored = [0]
-                errors: list[str] = []
-                lock = threading.Lock()
-
-                def worker() -> None:
-                    headers = {"Authorization": f"Bearer {agent}", "Content-Encoding": "gzip",
-                               "Content-Type": ctype}
-                    with httpx.Client(base_url=base, timeout=120) as client:
-                        while True:
-                            try:
-                                body = work.get_nowait()
-                            except queue.Empty:
-                                return
-                            t = time.perf_counter()
-                            r = client.post(path, content=body, headers=headers)
-                            dt = time.perf_counter() - t
-                            with lock:
-                                if r.status_code != 200:
-                                    errors.append(f"HTTP {r.status_code}: {r.text[:300]}")
-                                    continue
-                                latencies.append(dt)
-                                stored[0] += r.json()["stored"]
-
-                threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-                cpu0 = _cpu_seconds(proc_pid[0])
-                with MonitorWatch(base, admin) as watch:
-                    t0 = time.perf_counter()
-                    for th in threads:
-                        th.start()
-                    for th in threads:
-                        th.join()
-                    elapsed = time.perf_counter() - t0
-                    cpu = _cpu_seconds(proc_pid[0]) - cpu0
-                if errors:
-                    raise RuntimeError(f"{len(errors)} posts failed, first: {errors[0]}")
+                posted = _post_all(base, admin, agent, bodies, fmt, concurrency, proc_pid[0])
                 load = os.getloadavg()[0]
-                lag: float | None = None
-                if not aggregate_during:
-                    agg_s = _aggregate_all(url)
-                    lag = agg_s
-                elif wait_aggregates > 0:
-                    t1 = time.perf_counter()
-                    while time.perf_counter() - t1 < wait_aggregates:
-                        if _dirty_steps(url) == 0:
-                            lag = time.perf_counter() - t1
-                            break
-                        time.sleep(0.5)
+                lag = _aggregate_lag(url, aggregate_during, wait_aggregates)
             after = _db_bytes(url)
-        latencies.sort()
-        pass_max, pass_p50, passes = watch.summary()
+        latencies, stored, elapsed, cpu = sorted(posted.latencies), posted.stored, posted.elapsed, posted.cpu
+        pass_max, pass_p50, passes = posted.watch.summary()
         bound = None
         if measure_bound:  # after the run: its garbage and its writeback would otherwise weigh on the run
             os.sync()
@@ -463,20 +189,92 @@ def run_backend(backend: str, *, ranks: int, collectives: int, samples: int, age
             bound = db_bound(backend, home, ranks=ranks, collectives=collectives, samples=samples, agents=agents,
                              batch=batch)
         return Result(
-            backend=backend, ranks=ranks, samples_per_s=round(stored[0] / elapsed, 1),
+            backend=backend, ranks=ranks, samples_per_s=round(stored / elapsed, 1),
             p99_latency_ms=round(1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
-            bytes_per_million_samples=round((after - before) * 1e6 / max(1, stored[0]), 1),
-            samples=stored[0], batches=len(bodies),
+            bytes_per_million_samples=round((after - before) * 1e6 / max(1, stored), 1),
+            samples=stored, batches=len(bodies),
             p50_latency_ms=round(1e3 * latencies[len(latencies) // 2], 2), seconds=round(elapsed, 3),
             aggregate_lag_s=None if lag is None else round(lag, 2), aggregate_during=aggregate_during,
             collectives=collectives,
             concurrency=concurrency, batch=batch, controller_cpu_s=round(cpu, 2),
-            samples_per_controller_cpu_s=round(stored[0] / max(cpu, 1e-9), 1), load_average=round(load, 2),
+            samples_per_controller_cpu_s=round(stored / max(cpu, 1e-9), 1), load_average=round(load, 2),
             format=fmt, workers=workers, db_bound_samples_per_s=None if bound is None else round(bound, 1),
             monitor_pass_s=pass_max, monitor_pass_p50_s=pass_p50, monitor_passes=passes,
         )
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+@dataclass
+class _Posted:
+    """What posting every batch gave: each acknowledged post's latency, the samples stored, the wall and
+    the controller's CPU seconds it took, and the monitor's passes meanwhile."""
+
+    latencies: list[float]
+    stored: int
+    elapsed: float
+    cpu: float
+    watch: MonitorWatch
+
+
+def _post_all(base: str, admin: str, agent: str, bodies: list[bytes], fmt: str, concurrency: int,
+              controller_pid: int) -> _Posted:
+    """Post ``bodies`` as the agents do, ``concurrency`` at once, as fast as the controller acknowledges them."""
+    path = "/api/v1/telemetry/columnar" if fmt == "columnar" else "/api/v1/telemetry"
+    ctype = "application/vnd.vigil.columnar+msgpack" if fmt == "columnar" else "application/json"
+    work: queue.Queue[bytes] = queue.Queue()
+    for b in bodies:
+        work.put(b)
+    latencies: list[float] = []
+    stored = [0]
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        headers = {"Authorization": f"Bearer {agent}", "Content-Encoding": "gzip", "Content-Type": ctype}
+        with httpx.Client(base_url=base, timeout=120) as client:
+            while True:
+                try:
+                    body = work.get_nowait()
+                except queue.Empty:
+                    return
+                t = time.perf_counter()
+                r = client.post(path, content=body, headers=headers)
+                dt = time.perf_counter() - t
+                with lock:
+                    if r.status_code != 200:
+                        errors.append(f"HTTP {r.status_code}: {r.text[:300]}")
+                        continue
+                    latencies.append(dt)
+                    stored[0] += r.json()["stored"]
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    cpu0 = _cpu_seconds(controller_pid)
+    with MonitorWatch(base, admin) as watch:
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        elapsed = time.perf_counter() - t0
+        cpu = _cpu_seconds(controller_pid) - cpu0
+    if errors:
+        raise RuntimeError(f"{len(errors)} posts failed, first: {errors[0]}")
+    return _Posted(latencies, stored[0], elapsed, cpu, watch)
+
+
+def _aggregate_lag(url: str, aggregate_during: bool, wait_aggregates: float) -> float | None:
+    """Seconds the aggregates took to catch up after the last post (held during the run: one thread's
+    time to aggregate everything now); None when they did not within ``wait_aggregates``."""
+    if not aggregate_during:
+        return _aggregate_all(url)
+    if wait_aggregates > 0:
+        t1 = time.perf_counter()
+        while time.perf_counter() - t1 < wait_aggregates:
+            if _dirty_steps(url) == 0:
+                return time.perf_counter() - t1
+            time.sleep(0.5)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

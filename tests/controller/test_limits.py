@@ -249,7 +249,7 @@ REVIEWED_SQL_TEXT = {
     "controller/telemetry.py::bulk_insert": "table and column names are the module's constants; rows are bound",
     "controller/telemetry.py::mark_dirty": "interpolates only the driver's placeholder (? or %s); values bound",
     "controller/telemetry.py::update_job_progress": "interpolates only the driver's placeholder; values bound",
-    "ops/bench/ingest.py::_database": "a database name the benchmark generates (vigil_bench_<hex>)",
+    "ops/bench/ingest_db.py::_database": "a database name the benchmark generates (vigil_bench_<hex>)",
 }
 SQL_CALLS = {"text", "exec_driver_sql", "execute", "executemany", "copy"}
 
