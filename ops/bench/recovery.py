@@ -118,22 +118,8 @@ class Runner(FaultRun):
         # Faults a rank fires itself (from a fault file) are set a few steps ahead, so they hit a known step.
         in_rank = kind == "nan_loss" or (kind == "slow_rank" and self.slow_mode == "compute")
         hit_step: int | None = (fault_step or at) + 10 if in_rank else None
-        if kind == "kill_9":
-            os.kill(pid, signal.SIGKILL)
-        elif kind == "remove_node":
-            self._remove_node(node)
-        else:
-            body: dict[str, Any] = {"kind": kind, "rank": target_rank, "step": at}
-            if kind == "slow_rank":
-                body["params"] = {"factor": self.slow_factor, "mode": self.slow_mode}
-            if in_rank:
-                body["step"] = hit_step
-            self.inject(job.id, body)
-            fault = poll(lambda: next((f for f in self.faults(job.id)
-                                        if f["fired_at"]), None), 60, 0.5)
-            if fault:
-                fired = _ts(fault["fired_at"]) or fired
-                fault_step = self._step_at(fault.get("message", "")) or fault_step
+        fired, fault_step = self._fire(job.id, kind, target_rank, node, pid, at if not in_rank else hit_step,
+                                       fired, fault_step)
         inc = poll(lambda: next((i for i in self.incidents(job.id)
                                   if i["kind"] == expected_kind and (expected_kind != "hang" or i["rank"] is not None)),
                                  None), 180, 0.5)
@@ -155,6 +141,33 @@ class Runner(FaultRun):
         if inc is None:
             return out
         inc = next(i for i in self.incidents(job.id) if i["id"] == inc["id"])
+        self._score(out, inc, kind, expected_kind, target_rank, node, hit_step, fault_step, fired)
+        self._readmit_evicted()
+        return out
+
+    def _fire(self, job_id: str, kind: str, rank: int, node: str, pid: int, step: int | None, fired: float,
+              fault_step: int | None) -> tuple[float, int | None]:
+        """Fire the fault (``kill_9`` and ``remove_node`` from here, the rest through the controller at
+        ``step``); returns when it fired and the step it fired at, as far as the controller says."""
+        if kind == "kill_9":
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "remove_node":
+            self._remove_node(node)
+        else:
+            body: dict[str, Any] = {"kind": kind, "rank": rank, "step": step}
+            if kind == "slow_rank":
+                body["params"] = {"factor": self.slow_factor, "mode": self.slow_mode}
+            self.inject(job_id, body)
+            fault = poll(lambda: next((f for f in self.faults(job_id)
+                                        if f["fired_at"]), None), 60, 0.5)
+            if fault:
+                fired = _ts(fault["fired_at"]) or fired
+                fault_step = self._step_at(fault.get("message", "")) or fault_step
+        return fired, fault_step
+
+    def _score(self, out: dict[str, Any], inc: dict[str, Any], kind: str, expected_kind: str, rank: int, node: str,
+               hit_step: int | None, fault_step: int | None, fired: float) -> None:
+        """The incident's figures into ``out``: time and steps to detect, culprit, time to recover, lost steps."""
         out["detected"] = True
         out["time_to_detect_s"] = round((_ts(inc["detected_at"]) or fired) - fired, 2)
         if kind == "nan_loss":
@@ -162,25 +175,27 @@ class Runner(FaultRun):
         elif expected_kind == "node_lost":
             out["culprit_correct"] = inc["node_id"] == node
         else:
-            out["culprit_correct"] = inc["rank"] == target_rank and inc["node_id"] == node
+            out["culprit_correct"] = inc["rank"] == rank and inc["node_id"] == node
         if hit_step is not None and inc.get("step_at_detect") is not None:
             out["steps_to_detect"] = max(0, inc["step_at_detect"] - hit_step)
         # Steps run twice: from the restored checkpoint up to where the job had got when the restart
         # began. A NaN, a slow rank or a dead node leaves the job stepping until it is detected.
         known = [x for x in (hit_step, fault_step, inc.get("step_at_detect")) if x is not None]
         reached = max(known) if known else None
-        restart_ts, lost = self.restart_point(job.id, fired, reached)
+        restart_ts, lost = self.restart_point(out["job_id"], fired, reached)
         if restart_ts is not None:
             out["time_to_recover_s"] = round(restart_ts - fired, 2)
             out["lost_steps"] = lost
         out["action"] = inc.get("action")
-        for n in self.client.list_nodes().data:  # give an evicted node back for the next fault
+
+    def _readmit_evicted(self) -> None:
+        """Give an evicted node back for the next fault."""
+        for n in self.client.list_nodes().data:
             if n.state.value == "EVICTED":
                 self.client.readmit_node(n.id)
                 poll(lambda n=n: any(x.id == n.id and x.state.value == "ALIVE"
                                       for x in self.client.list_nodes().data), 60)
                 time.sleep(10)  # the fresh raylet registers with Ray
-        return out
 
     def run_corrupt_checkpoint(self, steps: int, at: int) -> dict[str, Any]:
         """The newest checkpoint corrupted, then the group restarted: found on restore, the one before used.
