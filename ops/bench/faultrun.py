@@ -140,3 +140,11 @@ def ray_alive_nodes(dashboard_url: str) -> dict[str, set[str]]:
         if n.state == "ALIVE":
             out.setdefault(n.node_name, set()).add(n.node_id)
     return out
+
+
+def with_ray_start_pid(argv: list[str], pid: int) -> list[str]:
+    """An agent's command line with ``--ray-start-pid`` naming the node's new ``ray start`` process."""
+    out = list(argv)
+    if "--ray-start-pid" in out:
+        out[out.index("--ray-start-pid") + 1] = str(pid)
+    return out

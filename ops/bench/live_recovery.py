@@ -188,8 +188,7 @@ class LiveRunner(FaultRun):
     def restart_node_processes(self) -> None:
         """A killed node's raylet and agent started again as ``vigil up`` started them (the next fault needs
         the whole cluster), then until Ray and Vigil both have it."""
-        from ops.bench.chaos import _with_ray_start_pid
-        from ops.bench.faultrun import node_index, ray_alive_nodes
+        from ops.bench.faultrun import node_index, ray_alive_nodes, with_ray_start_pid
 
         alive = ray_alive_nodes(self.cluster.dashboard_url)
         from ops.localcluster import node_name
@@ -199,7 +198,7 @@ class LiveRunner(FaultRun):
                 continue
             idx = node_index(name)
             raylet = self.start_again(f"ray-node-{idx}")
-            self.start_again(f"agent-{idx}", lambda argv, pid=raylet.proc.pid: _with_ray_start_pid(argv, pid))
+            self.start_again(f"agent-{idx}", lambda argv, pid=raylet.proc.pid: with_ray_start_pid(argv, pid))
 
         def whole() -> bool:
             now = ray_alive_nodes(self.cluster.dashboard_url)
