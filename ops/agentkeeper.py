@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from agent.commands.raylet import of_cluster
 from controller.background import BackgroundLoop
 
 if TYPE_CHECKING:
@@ -40,13 +41,11 @@ def raylet_running(node_name: str, gcs_address: str | None = None) -> bool:
     """Whether a process named ``raylet`` whose command line names ``node_name`` (of the Ray cluster at
     ``gcs_address``, where given: another cluster on this host may name its nodes alike) runs on this host."""
     flags = (f"--node-name={node_name}", f"--node_name={node_name}")
-    gcs = None if gcs_address is None else (f"--gcs-address={gcs_address}", f"--gcs_address={gcs_address}")
     for p in psutil.process_iter(["name", "cmdline", "status"]):
         if p.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             continue  # killed a moment ago: not a node to keep an agent for
         argv = p.info["cmdline"] or ()
-        if (p.info["name"] == "raylet" and any(a in flags for a in argv)
-                and (gcs is None or any(a in gcs for a in argv))):
+        if p.info["name"] == "raylet" and any(a in flags for a in argv) and of_cluster(argv, gcs_address):
             return True
     return False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -14,11 +15,37 @@ _NODE_FLAGS = ("--node-name", "--node_name", "--node-id", "--node_id")
 _GCS_FLAGS = ("--gcs-address", "--gcs_address")
 
 
+def _host_port(address: str) -> tuple[str, str]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _local_hosts() -> set[str]:
+    """This host's own addresses (in this network namespace), loopback included."""
+    hosts = {"localhost", "127.0.0.1", "::1"}
+    with contextlib.suppress(OSError):
+        hosts |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return hosts
+
+
 def of_cluster(cmdline: Sequence[str], gcs_address: str | None) -> bool:
     """Whether a raylet's command line says it belongs to the Ray cluster at ``gcs_address`` (``host:port``;
     None: any cluster). Two clusters on one host may name their nodes alike (``vigil up`` twice, a test
-    cluster beside an operator's): the node name alone does not tell them apart."""
-    return gcs_address is None or _flag(cmdline, _GCS_FLAGS) == gcs_address
+    cluster beside an operator's): the node name alone does not tell them apart. Ray writes the address
+    in its own form (a head given as 127.0.0.1 shows as the host's address): same port, and the same
+    host or two addresses of this host."""
+    if gcs_address is None:
+        return True
+    flag = _flag(cmdline, _GCS_FLAGS)
+    if not flag:
+        return False
+    (want_host, want_port), (host, port) = _host_port(gcs_address), _host_port(flag)
+    if want_port != port:
+        return False
+    if want_host == host:
+        return True
+    local = _local_hosts()
+    return want_host in local and host in local
 
 
 def _names_node(cmdline: Sequence[str], node: str) -> bool:

@@ -5,6 +5,7 @@ the discovery, so a real Ray on the machine does not interfere)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import uuid
@@ -102,3 +103,20 @@ def test_the_agent_takes_its_clusters_gcs_address_and_refuses_a_malformed_one() 
     assert cfg.ray_gcs_address == "10.0.0.5:6379"
     with pytest.raises(ValidationError, match="ray_gcs_address"):
         config_from_args(build_parser().parse_args([*base, "--ray-gcs-address", "no port here"]))
+
+
+def test_a_cluster_given_by_loopback_matches_the_raylets_ray_wrote_with_the_hosts_address(raylets) -> None:
+    """``vigil up`` starts its head as 127.0.0.1:<port>; Ray writes the raylets' --gcs-address with the host's
+    own address (seen in CI: the agent then found no raylet of its own, readmission waited 60 s for nothing
+    and the keeper never started a dead agent). Same port and two addresses of this host: the same cluster;
+    another port, or a host that is not this one: not."""
+    node = f"vigil-node-{uuid.uuid4().hex[:8]}"
+    local = next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family == socket.AF_INET and not a.address.startswith("127.")), "127.0.0.1")
+    mine = raylets(f"--node-name={node}", f"--gcs-address={local}:41001")
+    raylets(f"--node-name={node}-far", "--gcs-address=203.0.113.9:41001")  # another machine's cluster, same port
+    assert RayletLocator(node, gcs_address="127.0.0.1:41001").raylet().pid == mine.pid
+    assert RayletLocator(node, gcs_address="127.0.0.1:41002").raylet() is None
+    assert RayletLocator(f"{node}-far", gcs_address="127.0.0.1:41001").raylet() is None
+    assert raylet_running(node, "127.0.0.1:41001") and not raylet_running(node, "127.0.0.1:41002")
+    assert not raylet_running(f"{node}-far", "127.0.0.1:41001")
