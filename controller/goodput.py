@@ -1,6 +1,6 @@
 """Goodput of a job (``GET /jobs/{id}/goodput``): productive time against time lost per cause, and the
 ETTR. The rules are in :class:`controller.schemas.GoodputPublic` and docs/RECOVERY.md ("Goodput");
-the step timeline is read with the same helpers as the overview (:mod:`controller.views`).
+the step timeline is read with the same helpers as the overview (:mod:`controller.view_steps`).
 """
 
 from __future__ import annotations

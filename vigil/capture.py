@@ -13,7 +13,7 @@ gloo records no start or end, and no point-to-point ops or reduce-scatters (seen
 collective's duration here runs from its enqueue to the first point of the step where the rank had to
 have it done (the optimizer's step, which DDP and FSDP wait for before it runs, else the step's end).
 That bounds the time in flight from above; the *wait* the controller derives from it (a rank's duration
-minus the fastest rank's, :mod:`controller.aggregation`) is the arrival skew, exact up to the clocks,
+minus the fastest rank's, :mod:`controller.step_stats`) is the arrival skew, exact up to the clocks,
 because every rank leaves a collective at about the same moment.
 
 Bytes: the op and sizes give the payload; wire bytes follow the ring algorithm (as :mod:`vigil.comm`);

@@ -1,7 +1,7 @@
 """Speedup over DDP AdamW at limited bandwidth: ``vigil bench speedup [--json]`` (root, Linux, iproute2).
 
 Four nodes, one rank each, every node in its own network namespace with a veth ``eth0`` shaped by
-``tc`` (controller/netns.py: HTB at the link rate, both ways). The ranks are plain
+``tc`` (ops/netns.py: HTB at the link rate, both ways). The ranks are plain
 torch.distributed processes (:mod:`vigil.bench.netns_ranks`: each enters its namespace, then
 joins gloo over ``eth0``), not Ray Train workers: the same collectives on the same sockets, without
 Ray's start-up cost on a small machine. For every link speed (default 1gbit, 200mbit, 50mbit) the
