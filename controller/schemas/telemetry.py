@@ -3,10 +3,12 @@ heartbeats, and the step and collective series the API reads back."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     Field,
     field_validator,
 )
@@ -30,6 +32,15 @@ from controller.schemas.common import (
 # --------------------------------------------------------------------------------------------------
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+Observed = Annotated[float | None, BeforeValidator(_finite_or_none)]
+"""A value the training observed (a loss, a learning rate): a number that is not finite is a finding the
+detectors read as "not finite" (None), not bad input; the JSON path and the columnar one store it alike."""
 UnixTime = Annotated[float, Field(ge=0.0, le=TS_MAX, allow_inf_nan=False)]
 """Seconds since the epoch, within what a datetime (and the database) can hold."""
 JobRef = Annotated[Line, Field(min_length=1, max_length=64)]
@@ -57,8 +68,8 @@ class StepSample(_Strict):
         "Run attempt of the rank's worker group: increases at every restart of the ranks (0: unknown). "
         "Re-run steps after a restore are new samples under a newer attempt; the newest attempt of a step wins."))
     ts: UnixTime = Field(..., description="Unix time the step ended.")
-    loss: float | None = Field(..., description="Training loss; None when not finite (a finding, not bad input).")
-    lr: float | None = None
+    loss: Observed = Field(..., description="Training loss; None when not finite (a finding, not bad input).")
+    lr: Observed = None
     tokens: int = Field(0, ge=0, le=INT32_MAX, description="Tokens this rank processed in the step.")
     step_time_s: Finite = Field(..., ge=0.0)
     tokens_per_s: Finite = Field(0.0, ge=0.0)
@@ -67,7 +78,7 @@ class StepSample(_Strict):
     optim_s: Finite | None = Field(None, ge=0.0, description="Optimizer step, excluding communication.")
     comm_s: Finite | None = Field(None, ge=0.0, description="Sum of the step's collectives.")
     comm_wait_s: Finite | None = Field(None, ge=0.0, description="Wait inside the collectives.")
-    val_loss: float | None = None
+    val_loss: Observed = None
     pid: int | None = Field(None, ge=0, le=INT32_MAX)
     dropped: int = Field(0, ge=0, le=INT32_MAX, description="Samples this rank dropped since its last delivered one.")
 
@@ -107,7 +118,7 @@ class CheckpointSample(_Strict):
     files: int = Field(0, ge=0, le=1_000_000)
     bytes: int = Field(0, ge=0, le=INT64_MAX)
     manifest_sha256: str = Field("", max_length=64)
-    loss: float | None = None
+    loss: Observed = None
     message: Text = Field("", max_length=1024)
 
 

@@ -166,6 +166,20 @@ def test_nan_loss_is_stored_as_null_and_defaults_fill_left_out_columns(client: T
                                        (2, 2.5, 0.2, 0, 0, None)]
 
 
+def test_the_json_path_stores_a_non_finite_loss_as_null_too(client: TestClient) -> None:
+    """JSON carries NaN and Infinity (Python's json writes them; a hand-written client may): the loss, lr and
+    val_loss are stored as null as the columnar path stores them (it stored NaN as NaN on PostgreSQL)."""
+    job = _job(client)
+    samples = [{"kind": "step", "job_id": job, "rank": r, "step": 1, "ts": 1e9, "loss": loss, "lr": lr,
+                "val_loss": val, "step_time_s": 0.1}
+               for r, (loss, lr, val) in enumerate([(math.nan, math.inf, -math.inf), (2.5, 0.1, 3.0)])]
+    assert as_json(client, samples, 0)["stored"] == 2
+    with client.app.state.sessions() as s:
+        got = s.execute(select(StepMetric.rank, StepMetric.loss, StepMetric.lr, StepMetric.val_loss)
+                        .order_by(StepMetric.rank)).all()
+    assert [tuple(g) for g in got] == [(0, None, None, None), (1, 2.5, 0.1, 3.0)]
+
+
 # --------------------------------------------------------------------------------------------------
 # Every documented rule refused, the field named, nothing stored
 # --------------------------------------------------------------------------------------------------
