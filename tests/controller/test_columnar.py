@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from agent.columnar import encode, encode_blocks
+from agent.columnar import encode_blocks
 from controller.columnar import ColumnarError, decode
 from controller.models import (
     Checkpoint,
@@ -37,13 +37,13 @@ from controller.models import (
     TelemetryBatchSeen,
     TelemetryDirtyStep,
 )
-from controller.schemas import CollectiveSample, RankSample, StepSample
-from controller.schemas.columnar import CONTENT_TYPE, ColumnBlock, column_specs
-from tests.controller.test_telemetry_aggregates import coll_sample, make_client, step_sample
+from controller.schemas import CollectiveSample, StepSample
+from controller.schemas.columnar import ColumnBlock, column_specs
+from tests.controller.samples import coll_sample, step_sample
+from tests.controller.telemetry_client import columnar, make_client, post_columnar
 from tests.live_controller import checkpoint_path
 
 API = "/api/v1"
-_SAMPLES: TypeAdapter[list[Any]] = TypeAdapter(list[RankSample])
 
 
 @pytest.fixture
@@ -56,23 +56,6 @@ def _job(client: TestClient) -> str:
     r = client.post(f"{API}/jobs", json={"name": "columnar", "steps": 100})
     assert r.status_code == 201, r.text
     return r.json()["id"]
-
-
-def post_columnar(client: TestClient, body: bytes, gz: bool = True) -> Any:
-    headers = {"Content-Type": CONTENT_TYPE}
-    if gz:
-        body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
-    return client.post(f"{API}/telemetry/columnar", content=body, headers=headers)
-
-
-def columnar(client: TestClient, samples: list[dict[str, Any]], seq: int, agent: str = "agent-a",
-             node: str = "node-a", heartbeat: dict[str, Any] | None = None) -> dict[str, Any]:
-    from controller.schemas import Heartbeat
-
-    hb = Heartbeat.model_validate(heartbeat) if heartbeat else None
-    r = post_columnar(client, encode(agent, node, seq, time.time(), _SAMPLES.validate_python(samples), hb))
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def as_json(client: TestClient, samples: list[dict[str, Any]], seq: int, agent: str = "agent-j",

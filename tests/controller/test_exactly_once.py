@@ -21,7 +21,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from controller.models import CollectiveMetric, Fault, JobStepStat, StepMetric, TelemetryBatchSeen
-from tests.controller.test_telemetry_aggregates import coll_sample, make_client, step_sample
+from tests.controller.samples import coll_sample, step_sample
+from tests.controller.telemetry_client import columnar, make_client
+from tests.controller.telemetry_client import create_job as _job
+from tests.controller.telemetry_client import post_json as _post
 
 API = "/api/v1"
 
@@ -30,19 +33,6 @@ API = "/api/v1"
 def client(db_url: str, tmp_path: Path) -> Iterator[TestClient]:
     with make_client(db_url, tmp_path) as c:
         yield c
-
-
-def _job(client: TestClient) -> str:
-    r = client.post(f"{API}/jobs", json={"name": "once", "steps": 100})
-    assert r.status_code == 201, r.text
-    return r.json()["id"]
-
-
-def _post(client: TestClient, samples: list[dict[str, Any]], seq: int, agent: str = "agent-a") -> dict[str, Any]:
-    r = client.post(f"{API}/telemetry", json={"agent_id": agent, "node_id": "node-a", "seq": seq,
-                                              "sent_at": time.time(), "samples": samples})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _rows(client: TestClient, job: str) -> tuple[int, int]:
@@ -151,8 +141,6 @@ def test_a_ranks_fault_report_sets_the_faults_hit_step_once(client: TestClient) 
 
 @pytest.mark.parametrize("wire", ["json", "columnar"])
 def test_a_live_heal_and_a_quorum_change_are_events_of_the_job(client: TestClient, wire: str) -> None:
-    from tests.controller.test_columnar import columnar
-
     job = _job(client)
     now = time.time()
     heal = {**coll_sample(job, 1, 41, 0, 0.75, now), "op": "heal", "tag": "live", "payload_bytes": 2_000_000,

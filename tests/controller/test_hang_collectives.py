@@ -17,8 +17,9 @@ from fastapi.testclient import TestClient
 
 from controller.models import RankProgress
 from controller.recovery.collectives import analyse, ranges, summary
-from tests.controller.test_exactly_once import _job, _post
-from tests.controller.test_telemetry_aggregates import make_client
+from tests.controller.telemetry_client import columnar, make_client
+from tests.controller.telemetry_client import create_job as _job
+from tests.controller.telemetry_client import post_json as _post
 
 
 def _state(groups: dict[str, tuple[int, int]], in_flight: list[tuple[str, int, str, float]] = (),
@@ -81,8 +82,6 @@ def _progress(job: str, rank: int, attempt: int, ts: float, seq: int) -> dict[st
 
 @pytest.mark.parametrize("wire", ["json", "columnar"])
 def test_progress_reports_are_stored_newest_first_per_rank(client: TestClient, wire: str) -> None:
-    from tests.controller.test_columnar import columnar
-
     post = _post if wire == "json" else columnar
     job, now = _job(client), time.time()
     post(client, [_progress(job, 0, 1, now, 7), _progress(job, 1, 1, now, 6)], 0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import random
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -24,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from controller.aggregation import prune_raw
-from controller.app import create_app
 from controller.models import (
     CollectiveMetric,
     CollectiveStepStat,
@@ -35,18 +33,11 @@ from controller.models import (
     TelemetryDirtyStep,
 )
 from controller.schemas import MAX_TELEMETRY_ITEMS
-from controller.settings import Settings
 from controller.step_aggregates import compute_step, load_step
-from tests.auth import bearer, issue_token
+from tests.controller.samples import KINDS, coll_sample, random_run, step_sample
+from tests.controller.telemetry_client import make_client, post
 
 API = "/api/v1"
-KINDS = [("all_reduce", "world", "grads"), ("all_gather", "world", "weights")]
-
-
-def make_client(db_url: str, tmp_path: Path, **settings: Any) -> TestClient:
-    s = Settings(home=tmp_path, database_url=db_url, max_body_bytes=4 << 20, aggregate_settle_s=2.0, **settings)
-    app = create_app(s, None, background=False)
-    return TestClient(app, headers=bearer(issue_token(app, "admin")))
 
 
 @pytest.fixture
@@ -64,41 +55,6 @@ def _job(client: TestClient) -> str:
 def _count(client: TestClient, model: type) -> int:
     with client.app.state.sessions() as s:
         return s.scalar(select(func.count()).select_from(model))
-
-
-def step_sample(job: str, rank: int, step: int, st: float, ts: float, comm: float | None = None) -> dict:
-    return {"kind": "step", "job_id": job, "rank": rank, "world_size": 4, "step": step, "ts": ts, "loss": 2.0 + rank,
-            "step_time_s": st, "tokens": 64, "tokens_per_s": 64 / st, "data_s": 0.01, "fwd_bwd_s": 0.05,
-            "optim_s": 0.01, "comm_s": comm}
-
-
-def coll_sample(job: str, rank: int, step: int, seq: int, d: float, ts: float) -> dict:
-    op, group, tag = KINDS[seq % 2]
-    return {"kind": "collective", "job_id": job, "rank": rank, "step": step, "seq": seq, "op": op, "group": group,
-            "tag": tag, "payload_bytes": 1000 + seq, "wire_bytes": 1500 + seq, "elements": 250, "duration_s": d,
-            "ts": ts}
-
-
-def post(client: TestClient, samples: list[dict], seq: int, agent: str = "a1", node: str = "n1",
-         heartbeat: dict | None = None) -> dict:
-    body = {"agent_id": agent, "node_id": node, "seq": seq, "sent_at": time.time(), "samples": samples}
-    if heartbeat is not None:
-        body["heartbeat"] = heartbeat
-    r = client.post(f"{API}/telemetry", content=gzip.compress(json.dumps(body).encode()),
-                    headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def random_run(job: str, ranks: int = 4, steps: int = 3, calls: int = 5, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    now = time.time()
-    out = []
-    for st in range(steps):
-        for r in range(ranks):
-            out.append(step_sample(job, r, st, rng.uniform(0.05, 0.3), now + st))
-            out += [coll_sample(job, r, st, q, round(rng.uniform(0.001, 0.02), 6), now + st) for q in range(calls)]
-    return out
 
 
 def expected(samples: list[dict]) -> tuple[dict, dict, dict]:

@@ -11,7 +11,8 @@ import sqlite3
 from pathlib import Path
 
 from controller.db import WAL_AUTOCHECKPOINT_PAGES, WalCheckpointer, checkpoint_wal
-from tests.controller.test_telemetry_aggregates import make_client, post, random_run
+from tests.controller.samples import random_run
+from tests.controller.telemetry_client import make_client, post
 
 
 def _in_file(db: Path) -> int:
