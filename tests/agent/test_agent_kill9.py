@@ -24,7 +24,8 @@ import pytest
 from controller.probe import wait_for
 from controller.schemas import StepSample
 from controller.settings import agent_socket_path
-from tests.agent.test_controller_crash import REPO, ControllerProcess, _submit, counts, setup  # noqa: F401
+from tests.agent.crash_rig import REPO, ControllerProcess, counts
+from tests.agent.crash_rig import submit_job as _submit
 from vigil.comm import CollectiveRecord
 from vigil.telemetry import RankTelemetry
 
@@ -61,7 +62,7 @@ class AgentProcess:
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 @pytest.mark.timeout(180)
-def test_agent_kill9_mid_job_loses_no_sample(setup, db_url: str) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_agent_kill9_mid_job_loses_no_sample(setup, db_url: str) -> None:  # type: ignore[no-untyped-def]
     ctl, tokens, run_dir = setup
     ctl.start()
     job = _submit(ctl, tokens)

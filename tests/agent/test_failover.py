@@ -40,8 +40,8 @@ from controller.recovery.commands import enqueue
 from controller.schemas import CommandKind, JobCreate, Role, TokenCreate
 from controller.settings import get_settings
 from controller.tokens import create_token
+from tests.agent.crash_rig import ControllerProcess, counts, expect, send_steps
 from tests.agent.doubles import AgentThread, datagram, send_datagrams, step_dict, wait_for
-from tests.agent.test_controller_crash import ControllerProcess, counts, expect, send_steps
 from tests.live_controller import LiveController
 
 pytestmark = pytest.mark.timeout(240)

@@ -25,7 +25,7 @@ from controller.probe import wait_for
 from controller.schemas import Role, TokenCreate
 from controller.settings import Settings
 from controller.tokens import create_token
-from tests.agent.test_controller_crash import ControllerProcess
+from tests.agent.crash_rig import ControllerProcess
 
 API = "/api/v1"
 
