@@ -26,7 +26,7 @@ from dashboard import actions
 from tests.auth import issue_token
 from tests.dashboard.conftest import Site, seed_demo
 from tests.dashboard.harness import Browser
-from tests.dashboard.test_signin import browser_sign_in, by_input, run_callback, sign_in
+from tests.dashboard.signin_helpers import browser_sign_in, by_input, run_callback, sign_in
 from tests.live_controller import LiveController
 
 # --------------------------------------------------------------------------------------------------
