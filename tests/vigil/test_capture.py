@@ -17,7 +17,7 @@ from torch import nn
 
 from controller.schemas import CAPTURED_TAG, JobCreate
 from tests.vigil.optim.harness import run_ranks
-from tests.vigil.test_sdk import Sink
+from tests.vigil.telemetry_sink import Sink
 from vigil import sdk as vigil
 from vigil.capture import (
     FR_BUFFER_ENV,

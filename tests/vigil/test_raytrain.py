@@ -21,7 +21,7 @@ from ray.train import Checkpoint
 from torch import nn
 
 from controller.schemas import JobCreate
-from tests.vigil.test_sdk import Sink
+from tests.vigil.telemetry_sink import Sink
 from vigil import raytrain
 from vigil import sdk as vigil
 

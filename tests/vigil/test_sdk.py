@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,32 +17,15 @@ import pytest
 import torch
 from torch import nn
 
-from controller.schemas import CheckpointSample, JobCreate, StepSample
+from controller.schemas import JobCreate
 from controller.settings import fault_file_path
 from tests.vigil.optim.harness import run_ranks
+from tests.vigil.telemetry_sink import Sink
 from vigil import sdk as vigil
-from vigil.comm import CollectiveRecord
 from vigil.faults import NAN_LOSS, SLOW_RANK
 from vigil.optim import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.steps: list[StepSample] = []
-        self.records: list[list[CollectiveRecord]] = []
-        self.checkpoints: list[CheckpointSample] = []
-
-    def send_step(self, sample: StepSample, records: Sequence[CollectiveRecord] = ()) -> None:
-        self.steps.append(sample)
-        self.records.append(list(records))
-
-    def send_checkpoint(self, sample: CheckpointSample) -> None:
-        self.checkpoints.append(sample)
-
-    def close(self) -> None:
-        pass
 
 
 class Position:
