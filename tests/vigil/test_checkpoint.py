@@ -17,43 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from controller.schemas import CheckpointSample, JobCreate
+from tests.vigil.checkpoint_helpers import CheckpointSink as Sink
+from tests.vigil.checkpoint_helpers import build_parts as _parts
+from tests.vigil.checkpoint_helpers import train_steps as _train_steps
 from vigil import checkpointing as checkpoint
 from vigil.checkpointing import Checkpointer, InvalidCheckpoint, state_of
-from vigil.comm import Comm
 from vigil.data import BatchSampler
-from vigil.model import build_model
-from vigil.optim import build_strategy
-
-SPEC = JobCreate(name="ckpt", model={"n_layer": 1, "n_head": 2, "d_model": 16, "context": 8})
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.samples: list[CheckpointSample] = []
-
-    def send_checkpoint(self, sample: CheckpointSample) -> None:
-        self.samples.append(sample)
-
-
-def _parts(seed: int) -> tuple[Any, Any, BatchSampler]:
-    torch.manual_seed(seed)
-    model = build_model(SPEC.model)
-    strategy = build_strategy(SPEC.optimizer, model, Comm())
-    data = BatchSampler(torch.arange(256, dtype=torch.uint8).repeat(4), 2, 8, seed=seed)
-    return model, strategy, data
-
-
-def _train_steps(model: Any, strategy: Any, data: BatchSampler, n: int, first: int = 1) -> float:
-    loss = math.nan
-    for step in range(first, first + n):
-        x, y = data.next()
-        strategy.zero_grad()
-        _, out = strategy.model(x, y)
-        out.backward()
-        strategy.step(step, 1e-2)
-        loss = float(out.detach())
-    return loss
 
 
 def _save(root: Path, step: int, parts: tuple[Any, Any, BatchSampler]) -> Path:

@@ -3,7 +3,8 @@ restore on another one (4 -> 2 after an eviction, 2 -> 3 when a node comes back)
 
 Needs torch with gloo; three multi-process runs through ``harness.run_ranks`` (4, 2 and 3 ranks on
 127.0.0.1, free port, under a timeout), each looping over every kind of
-``vigil.optim.REGISTRY`` on the tiny MLP of ``tests.vigil.optim.common``. Checkpoints go
+``vigil.optim.REGISTRY`` on the tiny MLP of ``tests.vigil.optim.common`` (the per-rank helpers and the
+layout check are in ``tests/vigil/checkpoint_helpers.py``). Checkpoints go
 through ``vigil.checkpointing.save`` / ``restore`` (DCP folders under pytest's tmp_path). The checks
 run in the parent on what the ranks return:
 
@@ -24,16 +25,17 @@ from typing import Any
 import pytest
 import torch
 
-from tests.vigil.optim.common import flat_params, make, tiny_mlp, train_step
+from tests.vigil.checkpoint_helpers import AFTER, CUT, Position
+from tests.vigil.checkpoint_helpers import check_restored as _check_restored
+from tests.vigil.checkpoint_helpers import make_strategy as _make
+from tests.vigil.checkpoint_helpers import snapshot as _snapshot
+from tests.vigil.checkpoint_helpers import train as _train
+from tests.vigil.optim.common import flat_params
 from tests.vigil.optim.harness import run_ranks
 from vigil import checkpointing as checkpoint
 from vigil.optim import REGISTRY
-from vigil.optim.base import Shard, Strategy
 
 TIMEOUT = 240
-CUT, AFTER = 4, 2
-"""Train CUT steps (mid-period for tau = H = 3, after PowerSGD started compressing), checkpoint, then AFTER more."""
-
 KINDS: list[tuple[str, dict[str, Any]]] = [
     ("adamw", {}),
     ("powersgd", {"start_iter": 2}),
@@ -55,56 +57,6 @@ KINDS: list[tuple[str, dict[str, Any]]] = [
     ("compressed_adam", {"compressor": "onebit"}),
 ]
 IDS = [f"{k}-{'-'.join(f'{n}={v}' for n, v in p.items())}" if p else k for k, p in KINDS]
-
-
-class Position:
-    """A minimal data position (the loop's BatchSampler is Stateful the same way)."""
-
-    def __init__(self) -> None:
-        self.index = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"index": self.index}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.index = int(state["index"])
-
-
-def _make(kind: str, params: dict[str, Any], seed: int = 0) -> Strategy:
-    return make(kind, tiny_mlp(seed), weight_decay=0.05, grad_clip=1.0, **params)
-
-
-def _flat(tree: Any, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], torch.Tensor]:
-    out: dict[tuple[Any, ...], torch.Tensor] = {}
-    if isinstance(tree, torch.Tensor):
-        out[path] = tree.detach().clone()
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(_flat(v, (*path, k)))
-    elif isinstance(tree, list | tuple):
-        for i, v in enumerate(tree):
-            out.update(_flat(v, (*path, i)))
-    return out
-
-
-def _snapshot(strategy: Strategy) -> dict[str, Any]:
-    layout = strategy.state_layout()
-    state = _flat(strategy.state_dict())
-    return {
-        "state": state,
-        "parts": {p: layout.part_of(p) for p in state},
-        "padded": dict(layout.padded),
-        "local_model": layout.local_model,
-        "model": flat_params(strategy.module),
-    }
-
-
-def _train(strategy: Strategy, rank: int, first: int, n: int, pos: Position) -> list[float]:
-    losses = []
-    for t in range(first, first + n):
-        losses.append(train_step(strategy, rank, t))
-        pos.index += 1
-    return losses
 
 
 def _save_phase(rank: int, world: int, out: str) -> list[dict[str, Any]]:
@@ -179,63 +131,6 @@ def test_same_world_size_resumes_exactly(runs: dict[str, Any], i: int) -> None:
                 continue
             assert r["resumed"] == r["reference"], (world, rank)
             assert torch.equal(r["final_resumed"], r["final"]), (world, rank)
-
-
-def _check_restored(saved: list[dict[str, Any]], restored: list[dict[str, Any]], fresh: list[dict[str, Any]],
-                    kind: str) -> None:
-    old_world, new_world = len(saved), len(restored)
-    parts = saved[0]["parts"]
-    # The convention's promise: what a strategy calls replicated is identical on every rank.
-    for p, part in parts.items():
-        if part == "replicated":
-            for s in saved[1:]:
-                assert torch.equal(s["state"][p], saved[0]["state"][p]), (kind, "replicated differs", p)
-    for p, part in parts.items():
-        if isinstance(part, Shard):
-            old = torch.cat([s["state"][p] for s in saved])
-            new_shard = restored[0]["parts"][p]
-            assert isinstance(new_shard, Shard) and new_shard.numel == part.numel
-            new = torch.cat([r["state"][p] for r in restored])
-            assert all(r["state"][p].numel() == new_shard.length for r in restored)
-            n = part.numel
-            assert torch.equal(new[:n], old[:n]), (kind, "re-split", p)
-            assert not new[n:].any(), (kind, "padding", p)
-            continue
-        for rank, r in enumerate(restored):
-            if part == "current":
-                continue
-            got = r["state"].get(p)
-            length = r["padded"].get(p)
-            if part == "local" and rank >= old_world:
-                want = fresh[rank]["state"].get(p)  # a rank new to the job: its fresh value
-                assert (got is None) == (want is None), (kind, p)
-                if got is not None:
-                    assert torch.equal(got, want), (kind, "fresh", p)
-                continue
-            want = saved[0 if part == "replicated" else rank]["state"][p]
-            assert got is not None, (kind, "missing", p)
-            if length is not None and want.numel() != length:  # a padded flat buffer: real prefix first
-                k = min(length, want.numel())
-                assert got.numel() == length and torch.equal(got[:k], want[:k]) and not got[k:].any(), (kind, p)
-            else:
-                assert torch.equal(got, want), (kind, part, p)
-    # The model: replicated, or each rank's own (a new rank starts from the documented model).
-    for rank, r in enumerate(restored):
-        if not saved[0]["local_model"]:
-            assert torch.equal(r["model"], saved[0]["model"]), (kind, rank)
-        elif rank < old_world:
-            assert torch.equal(r["model"], saved[rank]["model"]), (kind, rank)
-        else:
-            state = r["state"]
-            if ("x_hat",) in state:  # CSER, QSparse: the synchronised model
-                assert torch.equal(r["model"], state[("x_hat",)]), (kind, rank)
-            elif state.get(("x_old",)) is not None:  # SlowMo, DSM: the last synchronised model
-                x_old = torch.cat([q["state"][("x_old",)] for q in restored]) if isinstance(
-                    r["parts"][("x_old",)], Shard) else state[("x_old",)]
-                assert torch.equal(r["model"], x_old[: r["model"].numel()].to(r["model"].dtype)), (kind, rank)
-            else:  # Local AdamW: a peer's model
-                assert torch.equal(r["model"], saved[rank % old_world]["model"]), (kind, rank)
-    assert new_world != old_world
 
 
 @pytest.mark.timeout(4 * TIMEOUT)

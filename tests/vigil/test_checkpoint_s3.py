@@ -21,17 +21,15 @@ import pytest
 import torch
 
 from tests.s3server import S3Prefix
+from tests.vigil.checkpoint_helpers import AFTER, CUT, Position
+from tests.vigil.checkpoint_helpers import CheckpointSink as Sink
+from tests.vigil.checkpoint_helpers import build_parts as _parts
+from tests.vigil.checkpoint_helpers import check_restored as _check_restored
+from tests.vigil.checkpoint_helpers import make_strategy as _make
+from tests.vigil.checkpoint_helpers import snapshot as _snapshot
+from tests.vigil.checkpoint_helpers import train as _train
+from tests.vigil.checkpoint_helpers import train_steps as _train_steps
 from tests.vigil.optim.harness import run_ranks
-from tests.vigil.test_checkpoint import Sink, _parts, _train_steps
-from tests.vigil.test_checkpoint_reshard import (
-    AFTER,
-    CUT,
-    Position,
-    _check_restored,
-    _make,
-    _snapshot,
-    _train,
-)
 from vigil import checkpointing as checkpoint
 from vigil.checkpointing import Checkpointer, InvalidCheckpoint, state_of
 
