@@ -17,6 +17,13 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Helpers moved out of test modules keep pytest's assertion introspection, as they had there (only test
+# modules and conftest files are rewritten unless named here, before anything imports them).
+pytest.register_assert_rewrite(
+    "tests.agent.crash_rig", "tests.controller.samples", "tests.controller.telemetry_client",
+    "tests.dashboard.signin_helpers", "tests.vigil.checkpoint_helpers", "tests.vigil.telemetry_sink",
+)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Ray token authentication on for the whole run, before any test touches Ray.
