@@ -373,3 +373,58 @@ def test_the_size_checks_find_a_501_line_file_and_an_81_line_function(tmp_path: 
     })
     assert _long_files(tmp_path, ("pkg",)) == ["pkg/long.py (501 lines)"]
     assert _long_functions(tmp_path, ("pkg",)) == ["pkg/fn.py:82 C.big (81 lines)"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Test modules stand alone: what several share lives in a helper module or a conftest.py
+# --------------------------------------------------------------------------------------------------
+
+
+def _test_module_imports(root: Path, folder: str = "tests") -> list[str]:
+    """``path:line module`` of each import, in a test module (``test_*.py`` under ``root/folder``; in
+    functions too), of a module whose last component starts with ``test_``: ``import tests.x.test_y``,
+    ``from tests.x.test_y import f``, ``from .test_y import f``, and ``from tests.x import test_y`` (a test
+    module, or a test that pytest would then collect twice)."""
+    out = []
+    for path in sorted((root / folder).rglob("test_*.py")):
+        module = _dotted(path, root)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _import_base(node, module, is_package=False)
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            else:
+                continue
+            out += [f"{path.relative_to(root)}:{node.lineno} {name}" for name in names
+                    if name.rsplit(".", 1)[-1].startswith("test_")]
+    return out
+
+
+def test_no_test_module_imports_another() -> None:
+    found = _test_module_imports(ROOT)
+    assert found == [], ("test modules importing another test module (move what they share to a helper "
+                         "module or a conftest.py next to it):\n" + "\n".join(found))
+
+
+def test_the_test_import_check_finds_each_form_of_one_test_module_importing_another(tmp_path: Path) -> None:
+    _fake_tree(tmp_path, {
+        "tests/__init__.py": "",
+        "tests/a/__init__.py": "",
+        "tests/a/test_one.py": "def f(): ...\n",
+        "tests/a/helpers.py": "from tests.a.test_one import f\n",  # not a test module: not scanned
+        "tests/a/test_two.py": "from tests.a.test_one import f\nimport tests.a.test_one\n",
+        "tests/a/test_three.py": "def g():\n    from .test_one import f\n    return f\n",  # deferred
+        "tests/a/test_four.py": "from tests.a import helpers, test_one\n",
+        "tests/a/test_five.py": "import os\nfrom . import helpers\nfrom .helpers import f\n"
+                                "from tests.test_data.helpers import x\n",  # helpers only: passes
+        "tests/b/__init__.py": "",
+        "tests/b/test_six.py": "from ..a.test_one import f as g\n",
+    })
+    assert _test_module_imports(tmp_path) == [
+        "tests/a/test_four.py:1 tests.a.test_one",
+        "tests/a/test_three.py:2 tests.a.test_one",
+        "tests/a/test_two.py:1 tests.a.test_one",
+        "tests/a/test_two.py:2 tests.a.test_one",
+        "tests/b/test_six.py:1 tests.a.test_one",
+    ]
