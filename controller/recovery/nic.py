@@ -238,6 +238,7 @@ class NicDetector:
         """NIC findings from the recorded history alone (no database)."""
         th = self.th
         out: list[NicFinding] = []
+        signs: set[str] = set()  # nodes whose newest heartbeat already shows a slow link (not yet k of m)
         nodes = list(ranks_by_node)
         windows = {n: [o for o in list(self.history.get(n, ()))[-th.m:] if o.ts >= now - th.max_age_s] for n in nodes}
         for node in nodes:
@@ -282,6 +283,8 @@ class NicDetector:
                 peer_cap = self._peer_median(peers, o.ts, lambda x: x.capacity_bps)
                 if o.capacity_bps is not None and peer_cap and o.capacity_bps < th.capacity_ratio * peer_cap:
                     low.append((o, peer_cap))
+            if low and low[-1][0] is latest:
+                signs.add(node)
             if len(low) >= th.k:
                 o, peer_cap = low[-1]
                 add("capacity", capacity_bps=o.capacity_bps, peers_median_capacity_bps=peer_cap,
@@ -309,8 +312,10 @@ class NicDetector:
         # A sender retransmits whatever its path lost, also in the receiver's full queue: a node whose own
         # link is found sick explains its peers' retransmits (in a ring, the node that sends to a
         # degraded one retransmits what the degraded one's ingress dropped). Only where no link is
-        # found sick do retransmits name the node that sends them.
-        sick = {f.node_id for f in out if f.cls != "retransmits"}
+        # found sick do retransmits name the node that sends them. A link whose rate fell in its newest
+        # heartbeat counts already: a sender's retransmits reach k of m a heartbeat or two before the
+        # degraded node's own capacity does (agents beat out of phase; seen in CI: the sender named).
+        sick = {f.node_id for f in out if f.cls != "retransmits"} | signs
         if sick:
             out = [f for f in out if f.cls != "retransmits" or f.node_id in sick]
         return out
