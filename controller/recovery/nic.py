@@ -278,11 +278,7 @@ class NicDetector:
                 o, peer_retrans = lossy[-1]
                 add("retransmits", retrans_ratio=_r(o.retrans_ratio, 4), peers_median_retrans_ratio=_r(peer_retrans, 4),
                     threshold=th.retrans_ratio, heartbeats=f"{len(lossy)}/{len(win)}")
-            low = []
-            for o in win:
-                peer_cap = self._peer_median(peers, o.ts, lambda x: x.capacity_bps)
-                if o.capacity_bps is not None and peer_cap and o.capacity_bps < th.capacity_ratio * peer_cap:
-                    low.append((o, peer_cap))
+            low = self._low_capacity(win, peers)
             if low and low[-1][0] is latest:
                 signs.add(node)
             if len(low) >= th.k:
@@ -309,16 +305,16 @@ class NicDetector:
                     overlimits_per_s=_r(o.overlimits_per_s, 1), peers_median_overlimits_per_s=_r(peer_over, 1),
                     tx_bps=_r(o.tx_bps, 0), rx_bps=_r(o.rx_bps, 0), capacity_bps=o.capacity_bps,
                     heartbeats=f"{len(busy)}/{len(win)}")
-        # A sender retransmits whatever its path lost, also in the receiver's full queue: a node whose own
-        # link is found sick explains its peers' retransmits (in a ring, the node that sends to a
-        # degraded one retransmits what the degraded one's ingress dropped). Only where no link is
-        # found sick do retransmits name the node that sends them. A link whose rate fell in its newest
-        # heartbeat counts already: a sender's retransmits reach k of m a heartbeat or two before the
-        # degraded node's own capacity does (agents beat out of phase; seen in CI: the sender named).
-        sick = {f.node_id for f in out if f.cls != "retransmits"} | signs
-        if sick:
-            out = [f for f in out if f.cls != "retransmits" or f.node_id in sick]
-        return out
+        return _explained(out, signs)
+
+    def _low_capacity(self, win: list[Observation], peers: list[str]) -> list[tuple[Observation, float]]:
+        """The heartbeats of ``win`` whose link rate is below ``capacity_ratio`` x the peers' median then."""
+        low = []
+        for o in win:
+            peer_cap = self._peer_median(peers, o.ts, lambda x: x.capacity_bps)
+            if o.capacity_bps is not None and peer_cap and o.capacity_bps < self.th.capacity_ratio * peer_cap:
+                low.append((o, peer_cap))
+        return low
 
     def _peer_median(self, peers: list[str], ts: float, value: Any) -> float | None:
         vals = []
@@ -383,6 +379,18 @@ class NicDetector:
             return None
         ev["why"] = "collectives grew while compute did not" if grown else "collectives take most of the step"
         return ev
+
+
+def _explained(out: list[NicFinding], signs: set[str]) -> list[NicFinding]:
+    """``out`` without the retransmits that a sick link explains. A sender retransmits whatever its path
+    lost, also in the receiver's full queue: a node whose own link is found sick explains its peers'
+    retransmits (in a ring, the node that sends to a degraded one retransmits what the degraded one's
+    ingress dropped). Only where no link is found sick do retransmits name the node that sends them. A
+    link whose rate fell in its newest heartbeat (``signs``) counts already: a sender's retransmits reach
+    k of m a heartbeat or two before the degraded node's own capacity does (agents beat out of phase;
+    seen in CI: the sender named)."""
+    sick = {f.node_id for f in out if f.cls != "retransmits"} | signs
+    return [f for f in out if f.cls != "retransmits" or f.node_id in sick] if sick else out
 
 
 def incidents(findings: list[NicFinding]) -> list[NicFinding]:
