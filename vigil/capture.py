@@ -4,7 +4,10 @@ Vigil's communication layer (:mod:`vigil.comm`) times and counts the collectives
 Everything else (DDP's gradient buckets, FSDP2's all-gathers and reduce-scatters, DTensor, a user's own
 ``dist.all_reduce`` on any group) is issued by torch itself, so Vigil reads what torch records: the
 Flight Recorder (``TORCH_FR_BUFFER_SIZE`` entries per process, :data:`FR_BUFFER_ENV`), which torch 2.13
-fills for gloo as well as for NCCL. Nothing of ``torch.distributed`` is wrapped or patched.
+fills for gloo as well as for NCCL, in two recorders: NCCL's own (its entries hold CUDA events; read by
+``_dump_nccl_trace``) and the one of gloo and the other backends (``_dump_fr_trace``). :func:`dump_fr`
+reads the one of the world group's backend (a job on NCCL: NCCL's; Vigil's own groups are gloo, and left
+out anyway). Nothing of ``torch.distributed`` is wrapped or patched.
 
 What an entry gives (both backends): the process group, the op, dtypes and sizes, the group's collective
 sequence number, the time it was enqueued (wall clock, ns) and whether it completed. NCCL adds its own
@@ -97,11 +100,27 @@ def fr_available() -> bool:
     return hasattr(c10d, "_dump_fr_trace")
 
 
+_nccl_world = False
+"""Whether the world group was NCCL when last seen initialised (a read after the code destroyed its
+group stays on the recorder it read before)."""
+
+
+def _reads_nccl() -> bool:
+    global _nccl_world
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        _nccl_world = "nccl" in str(dist.get_backend())
+    return _nccl_world
+
+
 def dump_fr() -> dict[str, Any]:
-    """The recorder's content (entries without stack traces, and each group's last enqueued / completed)."""
+    """The recorder's content (entries without stack traces, and each group's last enqueued / completed):
+    NCCL's recorder when the world group is NCCL (its record ids are its own), else gloo's."""
     import torch._C._distributed_c10d as c10d
 
-    return pickle.loads(c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+    dump = c10d._dump_nccl_trace if _reads_nccl() and hasattr(c10d, "_dump_nccl_trace") else c10d._dump_fr_trace
+    return pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False))
 
 
 def op_name(profiling_name: str) -> str:
