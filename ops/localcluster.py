@@ -40,6 +40,16 @@ from ops.processes import Child, ProcessGroup, clean_stale, kill_session  # noqa
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Every raylet of one machine has a log monitor, and all of them watch the one session log folder. Below
+    # this many files Ray's log monitor lists that folder again on every 0.1 s pass; at 0 it does so every
+    # 0.5 s (its LOG_NAME_UPDATE_INTERVAL_S): new workers' output still reaches their driver, and five
+    # raylets' monitors use about half the CPU they did (docs/BENCHMARKS.md, "local cluster overhead").
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+}
+"""Ray's settings for a cluster of several raylets on one machine (vigil up, the attached test clusters); the
+operator's environment wins over them."""
 
 
 def ensure_ray_token() -> None:
@@ -311,7 +321,7 @@ class _Launch:
     def plan(cls, home: Path, run_dir: Path, procs: ProcessGroup, iso: Isolation, net: NetnsCluster | None,
              ray_temp: Path, port: int, standby_controllers: int, timeout: float) -> _Launch:
         gcs_port, dash_port = free_port(), free_port()
-        base = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **iso.env)
+        base = {**RAY_ENV, **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **iso.env}
         for name in SECRET_ENVS:  # from the user's shell: each child gets exactly the token it needs
             base.pop(name, None)
         # The raylets' environment from an allowlist, never a copy of the operator's: no VIGIL_HOME,

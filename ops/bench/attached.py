@@ -21,7 +21,7 @@ from typing import Any
 
 from controller.probe import free_port, wait_for
 from controller.settings import child_env
-from ops.localcluster import ensure_ray_token
+from ops.localcluster import RAY_ENV, ensure_ray_token
 from ops.processes import ProcessGroup
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -108,7 +108,7 @@ def start_attached_cluster(root: Path, nodes: int = 3, cpus_per_node: int = 1, s
     run_dir.mkdir(mode=0o755, parents=True)
     procs = ProcessGroup(root / "pids.json")
     gcs_port, dash_port, port = free_port(), free_port(), free_port()
-    env = child_env(dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", **(extra_env or {})))
+    env = child_env({**RAY_ENV, **os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})})
     dashboard = f"http://127.0.0.1:{dash_port}"
     cluster = AttachedCluster(home, procs, f"http://127.0.0.1:{port}", "", dashboard, f"127.0.0.1:{gcs_port}", env,
                               logs, [_name(0)], storage)

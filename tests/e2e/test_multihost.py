@@ -29,7 +29,7 @@ from controller.probe import free_port, wait_for
 from controller.schemas import JobStatus
 from controller.settings import child_env
 from ops import netns
-from ops.localcluster import ensure_ray_token
+from ops.localcluster import RAY_ENV, ensure_ray_token
 from ops.netns import NetnsCluster
 from ops.processes import ProcessGroup
 from tests.e2e.user_project import FUNCTION_PY, MODEL_PY
@@ -95,7 +95,7 @@ def machines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machines]:
     root = tmp_path_factory.mktemp("multihost")
     net = netns.create(root / "home", 4)
     s3 = start_s3_server(address=net.gateway)
-    env = child_env(dict(os.environ, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", TMPDIR=LOCAL, **s3.env))
+    env = child_env({**RAY_ENV, **os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": LOCAL, **s3.env})
     m = Machines(net, ProcessGroup(root / "pids.json"), s3, root / "logs", env)
     head = net.node(1).address
     m.gcs = f"{head}:{free_port()}"
