@@ -14,11 +14,16 @@ The package, by concern:
 * :mod:`~vigil.checkpointing.checkpointer`: the train loop's :class:`Checkpointer` (async saves,
   agreement across ranks on finite state, fallback past invalid checkpoints, reports).
 
-This module re-exports what the rest of Vigil uses.
+This module re-exports what the rest of Vigil uses. The names of the format (where checkpoints live, which one
+is valid) load with it; those that need torch (:class:`Checkpointer`, ``save``, ``restore``, ``state_of``) on
+first use, so a process that only finds or checks checkpoints (the job's driver) never imports torch's
+distributed checkpoint stack.
 """
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from controller.checkpoint_layout import MANIFEST_FILE, Location, as_location, step_dir
-from vigil.checkpointing.checkpointer import Checkpointer
 from vigil.checkpointing.format import (
     POINTER_FILE,
     InvalidCheckpoint,
@@ -30,8 +35,23 @@ from vigil.checkpointing.format import (
     verify,
     write_pointer,
 )
-from vigil.checkpointing.reshard import restore, save
-from vigil.checkpointing.state import state_of
+
+if TYPE_CHECKING:
+    from vigil.checkpointing.checkpointer import Checkpointer
+    from vigil.checkpointing.reshard import restore, save
+    from vigil.checkpointing.state import state_of
+
+_TORCH_NAMES = {"Checkpointer": "checkpointer", "restore": "reshard", "save": "reshard", "state_of": "state"}
+"""Names that load their module (and torch) on first use: name -> module of this package."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _TORCH_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "MANIFEST_FILE",
