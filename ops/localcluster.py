@@ -42,10 +42,9 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
-    # Every raylet of one machine has a log monitor, and all of them watch the one session log folder. Below
-    # this many files Ray's log monitor lists that folder again on every 0.1 s pass; at 0 it does so every
-    # 0.5 s (its LOG_NAME_UPDATE_INTERVAL_S): new workers' output still reaches their driver, and five
-    # raylets' monitors use about half the CPU they did (docs/BENCHMARKS.md, "local cluster overhead").
+    # Below this many files Ray's log monitor lists the session's log folder again on every 0.1 s pass; at 0
+    # it does so every 0.5 s (its LOG_NAME_UPDATE_INTERVAL_S): new workers' output still reaches their
+    # driver, for a fraction of the CPU (docs/BENCHMARKS.md, "Local cluster footprint").
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
 }
 """Ray's settings for a cluster of several raylets on one machine (vigil up, the attached test clusters); the
@@ -380,7 +379,10 @@ def _start_ray(c: _Launch, nodes: int, cpus_per_node: int, object_store_bytes: i
             argv += [f"--node-ip-address={c.net.node(i).address}", f"--temp-dir={c.ray_temp}/n{i}"]
             node_env = dict(c.env, GLOO_SOCKET_IFNAME=c.net.node(i).iface)
         else:
-            argv.append(f"--node-ip-address={LOOPBACK}")
+            # One log monitor per host, the head's, as Ray asks: every raylet here writes to the head's
+            # session folder, and each monitor would hand every worker's output to its driver again (a
+            # job's log showed each rank's line once per node).
+            argv += [f"--node-ip-address={LOOPBACK}", "--include-log-monitor=false"]
         c.join_cmds[node_name(i)] = argv  # the agent runs it from inside the node's namespace
         _start_node_with_retries(c.procs, f"ray-node-{i}", c.net.node(i).exec_argv(argv) if c.net else argv,
                                  node_env, c.log_dir, c.dashboard_url, c.timeout)

@@ -80,7 +80,9 @@ class AttachedCluster:
     def add_node(self, i: int, cpus: int = 1) -> None:
         """``ray start --address`` of one more worker, ``attached-node-<i>`` (the fleet gives it an agent)."""
         self.procs.start(f"ray-node-{i}", [RAY, "start", f"--address={self.gcs}", f"--node-name={_name(i)}",
-                                           f"--num-cpus={cpus}", "--node-ip-address=127.0.0.1", *_common()],
+                                           f"--num-cpus={cpus}", "--node-ip-address=127.0.0.1",
+                                           # one log monitor per host (the head's), as Ray asks
+                                           "--include-log-monitor=false", *_common()],
                          self.env, self.log_dir)
         self.node_ids.append(_name(i))
 
