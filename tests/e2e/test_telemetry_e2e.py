@@ -1,7 +1,8 @@
 """End to end: the telemetry of a real 2-rank job on a real multi-node local Ray cluster.
 
-``start_local_cluster`` (head + 2 worker raylets, an agent per node, the controller on SQLite); a
-DDP AdamW job on 2 ranks of 1 CPU each, so they run on two different nodes. Checked over REST:
+The end-to-end modules' shared cluster (tests/e2e/conftest.py: head + 3 worker raylets of one CPU, an agent
+per node, the controller on SQLite); a DDP AdamW job on 2 ranks of 1 CPU each, so they run on two different
+nodes. Only this job's telemetry is judged, so the cluster's other jobs (before it) do not matter. Checked over REST:
 every step of every rank arrived, every collective of every step (per step and rank, the call
 numbers 0..k-1 with the same k on both ranks), and the per-step aggregates agree with the raw
 calls they were computed from (p50 / max / slowest rank / wait / transfer / bytes per kind, the
@@ -13,7 +14,6 @@ Needs: nothing outside the venv (Ray token auth on, as `vigil up` runs it). Abou
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,16 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.client import VigilClient
 from controller.probe import wait_for
 from controller.schemas import JobCreate, JobStatus
-from ops.localcluster import free_port, start_local_cluster
+from ops.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 30
 
 
-def test_every_collective_of_every_step_and_consistent_aggregates(tmp_path: Path) -> None:
-    cluster = start_local_cluster(tmp_path / "home", nodes=2, cpus_per_node=1, port=free_port())
-    try:
-        client = VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=60)
+def test_every_collective_of_every_step_and_consistent_aggregates(shared_cluster: LocalCluster) -> None:
+    cluster = shared_cluster
+    with VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=60) as client:
         spec = JobCreate.model_validate({
             "name": "e2e-telemetry",
             "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
@@ -108,6 +107,3 @@ def test_every_collective_of_every_step_and_consistent_aggregates(tmp_path: Path
         ages = {s.labels["node"]: s.value for s in fams["vigil_node_heartbeat_age_seconds"].samples}
         assert set(ages) >= set(cluster.node_ids) and all(a < 30 for a in ages.values())
         assert fams["vigil_jobs"].samples and fams["vigil_node_nic_receive_bytes_per_second"].samples
-        client.close()
-    finally:
-        cluster.stop(discard_storage=True)
