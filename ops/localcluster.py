@@ -214,6 +214,7 @@ def start_local_cluster(
     netns: bool = False,
     link: LinkSpec | None = None,
     standby_controllers: int = 0,
+    ray_defaults: bool = False,
 ) -> LocalCluster:
     """Start head + ``nodes`` worker raylets, the controller and one agent per node; wait until all are up.
 
@@ -226,6 +227,9 @@ def start_local_cluster(
     host's namespace, on 127.0.0.1 for the user and on the bridge address for the nodes. The head has
     no CPUs either way, so ranks run only on worker nodes (namespaced: where gloo uses ``eth0``).
     Without root (or ``ip``/``tc``) it says why in one line and starts the plain cluster.
+
+    ``ray_defaults``: Ray as it starts by default, without :data:`RAY_ENV` and with a log monitor on every
+    raylet: the baseline of ``vigil bench footprint``.
     """
     _check_standbys(standby_controllers, database_url)
     home = home.resolve()
@@ -242,10 +246,10 @@ def start_local_cluster(
     db_url = database_url or f"sqlite:///{home / 'vigil.db'}"
     tokens = _bootstrap(home, db_url, [node_name(i) for i in range(nodes + 1)])
     c = _Launch.plan(home, run_dir, ProcessGroup(pid_file), iso, net, ray_temp, port, standby_controllers,
-                     timeout)
+                     timeout, ray_env={} if ray_defaults else RAY_ENV)
     node_ids = [node_name(i) for i in range(nodes + 1)]
     try:
-        _start_ray(c, nodes, cpus_per_node, object_store_bytes)
+        _start_ray(c, nodes, cpus_per_node, object_store_bytes, one_log_monitor=not ray_defaults)
         vigil_env = _vigil_env(c, database_url)
         _start_controllers(c, vigil_env)
         _start_agents(c, vigil_env, node_ids, tokens.agents)
@@ -318,9 +322,10 @@ class _Launch:
 
     @classmethod
     def plan(cls, home: Path, run_dir: Path, procs: ProcessGroup, iso: Isolation, net: NetnsCluster | None,
-             ray_temp: Path, port: int, standby_controllers: int, timeout: float) -> _Launch:
+             ray_temp: Path, port: int, standby_controllers: int, timeout: float,
+             ray_env: dict[str, str] = RAY_ENV) -> _Launch:
         gcs_port, dash_port = free_port(), free_port()
-        base = {**RAY_ENV, **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **iso.env}
+        base = {**ray_env, **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **iso.env}
         for name in SECRET_ENVS:  # from the user's shell: each child gets exactly the token it needs
             base.pop(name, None)
         # The raylets' environment from an allowlist, never a copy of the operator's: no VIGIL_HOME,
@@ -352,7 +357,7 @@ class _Launch:
         return f"{self.head_ip}:{self.gcs_port}"
 
 
-def _start_ray(c: _Launch, nodes: int, cpus_per_node: int, object_store_bytes: int) -> None:
+def _start_ray(c: _Launch, nodes: int, cpus_per_node: int, object_store_bytes: int, one_log_monitor: bool = True) -> None:
     """The Ray head, then the worker raylets one by one (their ``ray start`` in ``c.join_cmds``)."""
     common = ["--block", f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
     # The head runs no ranks (as Ray advises for real clusters): it holds the GCS, every job's driver
@@ -382,7 +387,7 @@ def _start_ray(c: _Launch, nodes: int, cpus_per_node: int, object_store_bytes: i
             # One log monitor per host, the head's, as Ray asks: every raylet here writes to the head's
             # session folder, and each monitor would hand every worker's output to its driver again (a
             # job's log showed each rank's line once per node).
-            argv += [f"--node-ip-address={LOOPBACK}", "--include-log-monitor=false"]
+            argv += [f"--node-ip-address={LOOPBACK}", *(["--include-log-monitor=false"] if one_log_monitor else [])]
         c.join_cmds[node_name(i)] = argv  # the agent runs it from inside the node's namespace
         _start_node_with_retries(c.procs, f"ray-node-{i}", c.net.node(i).exec_argv(argv) if c.net else argv,
                                  node_env, c.log_dir, c.dashboard_url, c.timeout)
