@@ -18,6 +18,7 @@ BENCHMARKS = {
     "chaos": "ops.bench.chaos",
     "dashboard": "ops.bench.dashboard",
     "security": "ops.bench.security",
+    "footprint": "ops.bench.footprint",
 }
 """What ``vigil bench NAME`` runs: NAME -> the module run with ``python -m``."""
 
@@ -33,6 +34,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench`` on ``sub``; its own flags pass through to the benchmark."""
-    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, chaos, speedup, dashboard, security).",
+    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, chaos, speedup, dashboard, security, footprint).",
                        add_help=False)
     b.add_argument("what")
