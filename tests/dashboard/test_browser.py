@@ -55,11 +55,15 @@ def test_jobs_list_shows_job_rows_linking_to_job_pages(page: Browser, dashboard_
     for expected in (abc, "pydoc-dsm", "RUNNING", "dsm", "19 / 100", "1.724"):
         assert expected in text, (expected, text)
     assert page.css(f'tr[data-job-id="{new}"]')
-    (link,) = page.css(f'tr[data-job-id="{abc}"] a')
-    assert link.get_attribute("href") == f"{dashboard_site.url}/dashboard/jobs/{abc}"
+    # The list is drawn again at every refresh, which can leave an element found a moment ago stale (seen in
+    # CI): the link is found afresh for each read and for the click.
+    link = f'tr[data-job-id="{abc}"] a'
+    assert len(page.css(link)) == 1
+    page.wait_equal(lambda: page.css(link)[0].get_attribute("href"), f"{dashboard_site.url}/dashboard/jobs/{abc}",
+                    what="the job row's link")
 
     # Following the link routes inside the app (no reload) to the job page under the prefix.
-    link.click()
+    page.wait_for(lambda: page.css(link)[0].click() or True, what="a click on the job row's link")
     page.wait_equal(lambda: _loss_points(page), 20, what="loss points after navigation")
     assert page.driver.current_url == f"{dashboard_site.url}/dashboard/jobs/{abc}"
     assert page.console_errors() == []

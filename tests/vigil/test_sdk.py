@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,9 @@ def _spec(**kw: Any) -> JobCreate:
     return JobCreate.model_validate({"name": "sdk", "steps": 6, "checkpoint": {"interval_steps": 3}, **kw})
 
 
-def _user_loop(steps: int, *, phases: bool = True) -> dict[str, Any]:
-    """A user's loop: a regression MLP on generated data, as the README shows it."""
+def _user_loop(steps: int, *, phases: bool = True, work_s: float = 0.0) -> dict[str, Any]:
+    """A user's loop: a regression MLP on generated data, as the README shows it. ``work_s``: that much more
+    compute per step (a sleep in the forward), so that a compute phase outweighs a busy host's jitter."""
     run = vigil.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -66,6 +68,7 @@ def _user_loop(steps: int, *, phases: bool = True) -> dict[str, Any]:
             else:
                 xb, yb = x[:8], y[:8]
                 opt.zero_grad()
+                time.sleep(work_s)
                 loss = nn.functional.mse_loss(opt.model(xb), yb)
                 loss.backward()
             opt.step()
@@ -137,7 +140,9 @@ def test_slow_fault_stretches_the_compute_of_an_unmarked_loop(tmp_path: Path) ->
     fault.parent.mkdir(parents=True)
     fault.write_text(f'{{"kind": "{SLOW_RANK}", "step": 4, "factor": 20.0}}')
     sink = Sink()
-    vigil.run(lambda cfg: _user_loop(6, phases=False), vigil.RankContext(
+    # The MLP's own compute is well under a millisecond, which a busy host's scheduling can stretch more than
+    # the fault does (seen under -n 2: a slowed step 3x its neighbour); 10 ms of work per step cannot be.
+    vigil.run(lambda cfg: _user_loop(6, phases=False, work_s=0.01), vigil.RankContext(
         rank=0, world_size=1, job_id="job-slow", telemetry=sink, fault_file=fault), _spec(checkpoint={"interval_steps": 0}))
     before = min(s.fwd_bwd_s or 0 for s in sink.steps[1:3])
     during = min(s.fwd_bwd_s or 0 for s in sink.steps[3:])
