@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import psutil
 
-from controller.background import BackgroundLoop
-from controller.link import parse_proc_net_dev
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.link import parse_proc_net_dev
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Encodes a batch of samples in the columnar wire format (:mod:`controller.schemas.columnar`).
+"""Encodes a batch of samples in the columnar wire format (:mod:`vigil.contract.schemas.columnar`).
 
 Step and collective samples become one array per field (strings as indices into the batch's
 dictionary); checkpoints, faults and the heartbeat ride in the JSON header. The controller decodes
@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from controller.schemas import Heartbeat, TelemetryBatch
-from controller.schemas.columnar import COLUMNAR_KINDS, ColumnarBatch, ColumnBlock, column_specs
+from vigil.contract.schemas import Heartbeat, TelemetryBatch
+from vigil.contract.schemas.columnar import COLUMNAR_KINDS, ColumnarBatch, ColumnBlock, column_specs
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -95,8 +95,8 @@ def to_batch(body: bytes) -> TelemetryBatch:
             values = np.frombuffer(blk.columns[name], dtype=spec.dtype).tolist()
             if spec.type == "str":
                 values = [raw.strings[i] for i in values]
-            elif spec.type == "float" and not spec.finite and spec.nullable:
-                values = [v if np.isfinite(v) else None for v in values]
+            # A NaN in a "None when not finite" column (loss, lr, val_loss) is left as it is: validating the
+            # sample below makes it None (``Observed`` in the schema), the one rule both decoders follow.
             if name in blk.nulls:
                 values = [None if z else v for v, z in zip(values, blk.nulls[name], strict=True)]
             cols[name] = values

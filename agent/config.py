@@ -12,8 +12,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX
-from controller.settings import (
+from vigil.contract.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX
+from vigil.contract.settings import (
     DEFAULT_STORAGE_PATH,
     ENV_AGENT_TOKEN,
     ENV_STORAGE_PATH,

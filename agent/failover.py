@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import httpx
 
-from controller.client import ApiError, VigilClient
+from vigil.contract.client import ApiError, VigilClient
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def controller_down(exc: BaseException) -> bool:
 
 
 class FailoverClient:
-    """:class:`~controller.client.VigilClient` per URL; :meth:`call` runs a request on the current one,
+    """:class:`~vigil.contract.client.VigilClient` per URL; :meth:`call` runs a request on the current one,
     then on each other in turn while they are down (module docstring)."""
 
     def __init__(self, clients: Sequence[VigilClient], urls: Sequence[str], *, purpose: str = "") -> None:

@@ -60,8 +60,8 @@ from agent.rundir import prepare_run_dir
 from agent.senders import CachedRaylet, WorkerRoots
 from agent.shipper import ClientTransport, Shipper, ShipperConfig, Transport
 from agent.spool import Spool, SpoolLockedError
-from controller.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat
-from controller.settings import (
+from vigil.contract.schemas import MAX_TELEMETRY_ITEMS, NAME_MAX, Heartbeat
+from vigil.contract.settings import (
     DEFAULT_STORAGE_PATH,
     ENV_STORAGE_PATH,
 )

@@ -3,7 +3,7 @@
 The agent of a namespaced node (``vigil up --netns``) runs inside that node's network namespace,
 so ``ip`` and ``tc`` here act on the node's own ``eth0``. Every fault starts from the link's
 current behaviour and changes one thing; ``clear`` restores the link as the cluster configured it
-(``VIGIL_NIC_LINK``, a :class:`controller.link.LinkSpec` as JSON) and brings it up:
+(``VIGIL_NIC_LINK``, a :class:`vigil.contract.link.LinkSpec` as JSON) and brings it up:
 
 ============== ===================================== =================================================
 kind           params (defaults)                     what happens
@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from controller.link import (
+from vigil.contract.link import (
     IFACE,
     IFB_RX,
     NS_PREFIX,

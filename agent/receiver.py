@@ -1,7 +1,7 @@
 """Receives rank telemetry on the node's unix datagram socket.
 
 Ranks send each datagram as a UTF-8 JSON array of sample objects (``"kind": "step"`` or
-``"collective"``, see :mod:`controller.schemas`). The receiver validates them, puts the valid
+``"collective"``, see :mod:`vigil.contract.schemas`). The receiver validates them, puts the valid
 samples in a bounded :class:`SampleBuffer` that the shipper drains, and remembers which process
 each rank runs in so the heartbeat can report live rank processes.
 
@@ -26,8 +26,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from agent.ranksocket import Sender, bind_datagram_socket, recv_with_sender
 from agent.senders import SenderJobs, WorkerRoots, process_alive, process_start_time
-from controller.background import BackgroundLoop
-from controller.schemas import (
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.schemas import (
     CheckpointSample,
     CollectiveSample,
     FaultSample,

@@ -46,8 +46,8 @@ from agent import columnar
 from agent.failover import FailoverClient
 from agent.receiver import Sample, SampleBuffer
 from agent.spool import Spool
-from controller.client import ApiError, VigilClient
-from controller.schemas import MAX_TELEMETRY_ITEMS, Heartbeat, TelemetryAck, TelemetryBatch
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.schemas import MAX_TELEMETRY_ITEMS, Heartbeat, TelemetryAck, TelemetryBatch
 
 log = logging.getLogger(__name__)
 

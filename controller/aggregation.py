@@ -46,10 +46,10 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.background import BackgroundLoop
 from controller.db import session_scope, sqlite_writer
 from controller.models import CollectiveMetric, Job, JobStepStat, StepMetric, TelemetryDirtyStep
 from controller.step_aggregates import load_step, write_step
+from vigil.contract.background import BackgroundLoop
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from controller.api import metrics as metrics_routes
 from controller.api import views as view_routes
 from controller.api.deps import SessionDep
 from controller.auth import authorize
-from controller.background import BackgroundLoop
 from controller.db import WalCheckpointer, make_engine, make_session_factory
 from controller.fleet import agent_fleet
 from controller.launcher import ClusterControl, JobLauncher, RayClusterControl, RayJobLauncher
@@ -31,16 +30,17 @@ from controller.leader import Leadership, default_controller_id, leader_lock, sh
 from controller.limits import BodySizeLimit, validation_error_handler
 from controller.prometheus import make_registry
 from controller.recovery.monitor import Monitor
-from controller.schemas import Health
-from controller.settings import (
+from controller.supervisor import Supervisor
+from controller.telemetry_guard import TelemetryGuard, ray_placement
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.schemas import Health
+from vigil.contract.settings import (
     ENV_CONTROLLER_URL,
     ENV_RUN_DIR,
     ENV_STORAGE_PATH,
     Settings,
     get_settings,
 )
-from controller.supervisor import Supervisor
-from controller.telemetry_guard import TelemetryGuard, ray_placement
 
 log = logging.getLogger(__name__)
 

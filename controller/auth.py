@@ -37,9 +37,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controller import tokens
 from controller.db import session_scope
-from controller.schemas import Role, TokenCreate
-from controller.settings import Settings, admin_token_path
 from controller.tokens import Principal
+from vigil.contract.schemas import Role, TokenCreate
+from vigil.contract.settings import Settings, admin_token_path
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ ROUTE_POLICY: dict[tuple[str, str], frozenset[Role] | str] = {
     ("GET", f"{API}/jobs/{{job_id}}/overview"): READ,
     ("GET", f"{API}/jobs/{{job_id}}/heatmap"): READ,
     ("GET", f"{API}/jobs/{{job_id}}/goodput"): READ,
+    ("GET", f"{API}/jobs/{{job_id}}/stragglers"): READ,
     ("GET", f"{API}/nodes/{{node_id}}/history"): READ,
     # who am I: any valid token (the dashboard's sign-in checks a token's role with it)
     ("GET", f"{API}/whoami"): READ | INGEST,

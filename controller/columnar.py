@@ -1,4 +1,4 @@
-"""Columnar telemetry ingest: decode a :class:`~controller.schemas.columnar.ColumnarBatch`, validate
+"""Columnar telemetry ingest: decode a :class:`~vigil.contract.schemas.columnar.ColumnarBatch`, validate
 it a column at a time, and store it with the same bulk writers and the same exactly-once rules as
 :func:`controller.telemetry.ingest`.
 
@@ -8,7 +8,7 @@ ingest on one core well below what the database takes. Here each column is one
 strings) one vectorised check over the column, so the work per sample is a few tens of
 nanoseconds before the rows go to :func:`controller.telemetry.bulk_insert`.
 
-The rules are the schema's (:func:`controller.schemas.columnar.column_specs` reads them off
+The rules are the schema's (:func:`vigil.contract.schemas.columnar.column_specs` reads them off
 ``StepSample`` / ``CollectiveSample``); a violation raises :class:`ColumnarError` naming the field
 as the JSON endpoint would (``samples.collective.duration_s``) and the first offending row, and
 nothing is stored. Checkpoint and fault samples and the heartbeat ride in the JSON header and take
@@ -29,15 +29,28 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy.orm import Session
 
 from controller.host_history import HostHistoryLimits
-from controller.schemas import (
+from controller.telemetry import (
+    COLLECTIVE_COLUMNS,
+    LIVE_OPS,
+    STEP_COLUMNS,
+    Prepared,
+    newest_step_lowest_rank,
+    store,
+)
+from controller.telemetry_guard import TelemetryGuard
+from vigil.contract.schemas import (
     MAX_TELEMETRY_ITEMS,
     StepSample,
     TelemetryAck,
     TelemetryBatch,
 )
-from controller.schemas.columnar import COLUMNAR_KINDS, ColumnarBatch, ColumnBlock, ColumnSpec, column_specs
-from controller.telemetry import COLLECTIVE_COLUMNS, LIVE_OPS, STEP_COLUMNS, Prepared, store
-from controller.telemetry_guard import TelemetryGuard
+from vigil.contract.schemas.columnar import (
+    COLUMNAR_KINDS,
+    ColumnarBatch,
+    ColumnBlock,
+    ColumnSpec,
+    column_specs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +266,12 @@ def _live(cols: Columns, strings: np.ndarray, collectives: list[tuple[Any, ...]]
 
 
 def _progress(batch: DecodedBatch) -> list[StepSample]:
-    """Per job, the step sample :func:`update_job_progress` would pick (highest step, lowest rank)."""
+    """Per job, the step sample its progress is read from (:func:`newest_step_lowest_rank`), from the columns."""
     c = batch.step
     if c.n == 0:
         return []
     job, step, rank = c.values["job_id"], c.values["step"], c.values["rank"]
-    order = np.lexsort((rank, -step, job))  # by job, then step descending, then rank ascending
-    firsts = order[np.r_[True, job[order][1:] != job[order][:-1]]].tolist()
+    firsts = newest_step_lowest_rank(job, step, rank)
     loss = _column_list("step", c, "loss", batch.strings)
     return [StepSample.model_construct(job_id=batch.strings[job[i]], step=int(step[i]), rank=int(rank[i]),
                                        loss=loss[i]) for i in firsts]

@@ -15,7 +15,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.background import BackgroundLoop
+from vigil.contract.background import BackgroundLoop
 
 WAL_AUTOCHECKPOINT_PAGES = 100_000
 """SQLite: the WAL size (pages of 4 KiB: ~400 MB) at which a committing writer checkpoints it itself.

@@ -24,15 +24,15 @@ from typing import Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.background import BackgroundLoop
-from controller.checkpoint_layout import is_uri
 from controller.db import session_scope
 from controller.fleet_driver import ANSWER_PREFIX
 from controller.jobs import record_event
 from controller.models import ApiToken
-from controller.schemas import Role, TokenCreate
-from controller.settings import ENV_CONTROLLER_URL, ENV_TOKEN, Settings, child_env
 from controller.tokens import create_token, revoke_token
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.checkpoint_layout import is_uri
+from vigil.contract.schemas import Role, TokenCreate
+from vigil.contract.settings import ENV_CONTROLLER_URL, ENV_TOKEN, Settings, child_env
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Goodput of a job (``GET /jobs/{id}/goodput``): productive time against time lost per cause, and the
-ETTR. The rules are in :class:`controller.schemas.GoodputPublic` and docs/RECOVERY.md ("Goodput");
-the step timeline is read with the same helpers as the overview (:mod:`controller.view_steps`).
+ETTR. The rules are in :class:`vigil.contract.schemas.GoodputPublic` and docs/RECOVERY.md ("Goodput");
+the step timeline is read by the same reader as the overview (:func:`controller.step_read.step_records`).
 """
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controller.models import Checkpoint, Incident, Job, JobStepStat, StepMetric
-from controller.schemas import LOST_CAUSES, GoodputPublic
-from controller.view_steps import _dup_attempts, _steps, _ts
+from controller.models import Checkpoint, Incident, Job
+from controller.seconds_lost import job_lost_s
+from controller.step_read import read_steps, step_records
+from vigil.contract.schemas import LOST_CAUSES, GoodputPublic
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Timeline:
     """``recovered_at`` of incidents: the end of the first step after a restart."""
     restarts: int = 0
     """The job's restart counter."""
+    slow_ranks: float = 0.0
+    """Seconds the kept steps lost to slow ranks (:mod:`controller.seconds_lost`): out of the productive time."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,13 @@ def goodput_from(job_id: str, tl: Timeline) -> GoodputPublic:
         nxt = blocks[i] if i < len(blocks) else None
         if _gap(tl, x, y, prev, nxt, lost):
             restarts_seen += 1
+    # Inside kept steps, the time they waited for ranks slower than the median one. The seconds lost are
+    # per step; where the kept steps' ranges overlap (telemetry whose step times exceed the time between
+    # steps) their sum exceeds the productive time they cover: scale by union / sum, and never more than it.
+    spans = sum(a.end - a.start for a in clipped if a.kept)
+    overlap = productive / spans if spans > productive > 0 else 1.0
+    lost["slow_ranks"] = min(max(tl.slow_ranks, 0.0) * overlap, productive)
+    productive -= lost["slow_ranks"]
     wall = t1 - t0
     return GoodputPublic(job_id=job_id, wall_s=wall, productive_s=productive, lost_s=lost,
                          ettr=productive / wall if wall > 0 else None, restarts=max(tl.restarts, restarts_seen),
@@ -171,24 +182,9 @@ def job_timeline(session: Session, job: Job, now: float) -> Timeline:
     """Read a job's :class:`Timeline`: its steps' attempts (aggregates, and the forming steps' raw rows),
     checkpoints and incidents."""
     job_id = job.id
-    st = _steps(session, job_id)
-    J = JobStepStat
-    runs: dict[int, StepRun] = {}
-    for step, start, ts, mx, reruns in session.execute(
-        select(J.step, J.start_ts, J.ts, J.step_time_max_s, J.reruns)
-        .where(J.job_id == job_id, J.step_time_max_s.is_not(None), J.step.not_in(st.forming))
-    ).all():
-        runs[step] = StepRun(step, start if start is not None else ts - (mx or 0.0), ts,
-                             tuple((float(s), float(e)) for s, e in (reruns or ())))
-    S = StepMetric
-    if st.clean:
-        for step, start, end in session.execute(
-            select(S.step, func.min(S.ts - S.step_time_s), func.max(S.ts))
-            .where(S.job_id == job_id, S.step.in_(st.clean)).group_by(S.step)
-        ).all():
-            runs[step] = StepRun(step, float(start), float(end))
-    for step, (start, end, reruns) in _dup_attempts(session, job_id, st).items():
-        runs[step] = StepRun(step, start, end, tuple((s, e) for s, e in (reruns or ())))
+    runs = [StepRun(r.step, r.start_ts if r.start_ts is not None else r.ts - (r.step_time_max_s or 0.0), r.ts,
+                    tuple((float(s), float(e)) for s, e in (r.reruns or ())))
+            for r in step_records(session, read_steps(session, job_id)).values()]
     checkpoints: dict[int, list[float]] = defaultdict(list)
     for step, created in session.execute(select(Checkpoint.step, Checkpoint.created_at)
                                          .where(Checkpoint.job_id == job_id)).all():
@@ -205,10 +201,14 @@ def job_timeline(session: Session, job: Job, now: float) -> Timeline:
         if recovered_at is not None:
             recovered.append(recovered_at.timestamp())
     return Timeline(
-        started=_ts(job.started_at), ended=_ts(job.finished_at) or now, steps=sorted(runs.values(), key=lambda r: r.step),
+        started=_ts(job.started_at), ended=_ts(job.finished_at) or now, steps=sorted(runs, key=lambda r: r.step),
         checkpoints=dict(checkpoints), hangs=sorted(hangs), acted=sorted(acted), recovered=sorted(recovered),
-        restarts=job.restarts or 0,
+        restarts=job.restarts or 0, slow_ranks=job_lost_s(session, job_id),
     )
+
+
+def _ts(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
 
 
 def job_goodput(session: Session, job: Job, now: float) -> GoodputPublic:

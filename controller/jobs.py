@@ -10,8 +10,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.models import Event, Job
-from controller.schemas import STORED, JobCreate, JobPublic, JobStatus
 from controller.tokens import revoke_job_tokens
+from vigil.contract.schemas import STORED, JobCreate, JobPublic, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ def list_jobs(session: Session, limit: int, offset: int) -> tuple[list[Job], int
 
 
 def active_jobs(session: Session) -> list[Job]:
-    live = [s.value for s in JobStatus if not s.is_terminal()]
-    return list(session.scalars(select(Job).where(Job.status.in_(live))).all())
+    unfinished = [s.value for s in JobStatus if not s.is_terminal()]  # not "live": that is recovery.policy live
+    return list(session.scalars(select(Job).where(Job.status.in_(unfinished))).all())
 
 
 def to_public(job: Job) -> JobPublic:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from controller.packages import package_path
-from controller.schemas import JobCreate, JobStatus
-from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC
+from vigil.contract.schemas import JobCreate, JobStatus
+from vigil.contract.settings import ENV_JOB_ID, ENV_JOB_SPEC
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def ray_client_env() -> None:
 
 
 RANK_ACTOR_CLASSES = ("RayTrainWorker", "ReplicaActor")
-"""The Ray actors that are a job's ranks: Ray Train's workers, and live recovery's replicas (vigil/live_driver.py)."""
+"""The Ray actors that are a job's ranks: Ray Train's workers, and live recovery's replicas (vigil/live_replicas.py)."""
 
 
 class RayJobLauncher:

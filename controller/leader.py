@@ -10,7 +10,7 @@ closes the socket; PostgreSQL sees it at once), or when its host vanishes (then 
 keepalives set on the connection, about 11 s). A standby tries the lock every ``leader_interval_s``
 and takes over within one interval of that.
 
-:class:`Leadership` is a :class:`~controller.background.BackgroundLoop`: when not leader it tries the
+:class:`Leadership` is a :class:`~vigil.contract.background.BackgroundLoop`: when not leader it tries the
 lock; when leader it checks that its connection still answers (``SELECT 1``: a session that broke has
 lost the lock). It starts the loops on gaining leadership and stops them on losing it, logs both and
 records a ``controller_leader`` (or ``controller_leader_lost``) event naming the controller.
@@ -46,9 +46,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
-from controller.background import BackgroundLoop
 from controller.db import session_scope
 from controller.jobs import record_event
+from vigil.contract.background import BackgroundLoop
 
 log = logging.getLogger(__name__)
 

@@ -268,6 +268,9 @@ class JobStepStat(Base):
     """Earliest start (``ts - step_time_s``) over the ranks of the kept attempt."""
     reruns: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True))
     """``[[start, end], ...]`` of the step's earlier attempts (None: it ran once)."""
+    lost_s: Mapped[float | None] = mapped_column(Float)
+    """Seconds the step lost to its slow ranks (:func:`controller.step_stats.seconds_lost`; None: the ranks'
+    waits inside collectives are unknown, or the row predates migration 0012)."""
 
 
 class RankStepStat(Base):
@@ -291,6 +294,8 @@ class RankStepStat(Base):
     collectives: Mapped[int] = mapped_column(Integer, default=0)
     payload_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     wire_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    lost_s: Mapped[float | None] = mapped_column(Float)
+    """This rank's share of the step's seconds lost to slow ranks (None: unknown)."""
 
 
 class CollectiveStepStat(Base):

@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 
 from controller.models import CodePackage, Job
 from controller.packages import PackageInfo, parse_ref
-from controller.schemas import JobStatus
-from controller.schemas.jobs import TERMINAL_STATUSES
+from vigil.contract.schemas import JobStatus
+from vigil.contract.schemas.jobs import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)
 

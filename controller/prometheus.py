@@ -30,8 +30,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controller.db import session_scope
 from controller.models import CollectiveStepStat, Job, JobStepStat, Node, RankStepStat
-from controller.schemas import JobStatus
+from controller.seconds_lost import rank_totals
+from controller.step_read import newest_final
 from controller.telemetry_guard import REFUSED
+from vigil.contract.schemas import JobStatus
 
 MAX_KINDS = 16
 MAX_INTERFACES = 16
@@ -94,13 +96,6 @@ def _job_counts(session: Session) -> GaugeMetricFamily:
     return counts
 
 
-def _latest_aggregate(session: Session, job_id: str) -> JobStepStat | None:
-    """The job's newest aggregated step (None: none yet)."""
-    return session.scalars(
-        select(JobStepStat).where(JobStepStat.job_id == job_id).order_by(JobStepStat.step.desc()).limit(1)
-    ).first()
-
-
 def _rank_values(session: Session, job_id: str, step: int, column: Any) -> list[float]:
     """``column`` of ``rank_step_stats`` over every rank of (job, step) that has it."""
     values = session.scalars(
@@ -147,6 +142,8 @@ class _JobGauges:
     c_max: GaugeMetricFamily
     c_wait: GaugeMetricFamily
     c_bits: GaugeMetricFamily
+    lost: GaugeMetricFamily
+    r_lost: GaugeMetricFamily
 
     @classmethod
     def new(cls) -> _JobGauges:
@@ -180,13 +177,19 @@ class _JobGauges:
                                      labels=kind),
             c_bits=GaugeMetricFamily("vigil_collective_wire_bits",
                                      "Bits on the wire, all ranks, this kind, newest step.", labels=kind),
+            lost=GaugeMetricFamily("vigil_job_seconds_lost_to_slow_ranks",
+                                   "Seconds the job's steps lost waiting for ranks slower than the median rank, so far.",
+                                   labels=job),
+            r_lost=GaugeMetricFamily("vigil_rank_seconds_lost",
+                                     "This rank's share of the seconds lost to slow ranks, so far (the ranks that cost "
+                                     "the most).", labels=["job", "rank"]),
         )
 
     def families(self) -> tuple[GaugeMetricFamily, ...]:
         """Every family, in export order."""
         return (self.last_step, self.agg_step, self.loss, self.st_p50, self.st_max, self.wait_max, self.bits,
                 self.ranks, self.r_time, self.r_comm, self.r_wait, self.r_bits, self.c_p50, self.c_max, self.c_wait,
-                self.c_bits)
+                self.c_bits, self.lost, self.r_lost)
 
     def add_step(self, jl: str, latest: JobStepStat) -> None:
         """The job-wide figures of the job's newest aggregated step."""
@@ -206,6 +209,13 @@ class _JobGauges:
                 if v is not None:
                     g.add_metric(labels, float(v))
             self.r_bits.add_metric(labels, 8.0 * r.wire_bytes)
+
+    def add_lost(self, jl: str, totals: dict[int, tuple[float, int]], limit: int) -> None:
+        """Seconds lost to slow ranks: the job's, and the ``limit`` ranks' that cost the most
+        (:func:`controller.seconds_lost.rank_totals`)."""
+        self.lost.add_metric([jl], sum(lost for lost, _ in totals.values()))
+        for rank, (lost, _) in sorted(totals.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]:
+            self.r_lost.add_metric([jl, str(rank)], lost)
 
     def add_kinds(self, jl: str, kinds: Iterable[CollectiveStepStat]) -> None:
         """The collective kinds' series (:func:`_top_kinds`)."""
@@ -249,13 +259,14 @@ class VigilCollector(Collector):
             jl = _label(job.id)
             if job.last_step is not None:
                 gauges.last_step.add_metric([jl], float(job.last_step))
-            latest = _latest_aggregate(session, job.id)
+            latest = newest_final(session, job.id)
             if latest is None:
                 continue
             gauges.add_step(jl, latest)
             step_hist[(jl,)] = _rank_values(session, job.id, latest.step, RankStepStat.step_time_s)
             gauges.add_ranks(jl, _slowest_ranks(session, job.id, latest.step, self.max_ranks))
             gauges.add_kinds(jl, _top_kinds(session, job.id, latest.step))
+            gauges.add_lost(jl, rank_totals(session, job.id), self.max_ranks)
             coll_hist[(jl,)] = _rank_values(session, job.id, latest.step, RankStepStat.comm_s)
         yield from gauges.families()
         yield _histogram("vigil_job_rank_step_time_seconds", "Step time across the ranks of the newest step.",

@@ -1,10 +1,11 @@
 """Reads of step and collective telemetry (the REST API, Prometheus and the dashboard read through
 these): per-rank step series, aggregates, plus what is still forming.
 
-A step's aggregates exist once it has settled (see :mod:`controller.aggregation`). Steps still
-marked dirty are computed here, on the fly, from their raw rows with the same function, and come
-back with ``final = False``; so a live job's newest steps show without waiting for the aggregator
-and an old job's steps show after their raw rows are gone.
+A step's aggregates exist once it has settled (see :mod:`controller.aggregation`). The forming steps
+(:mod:`controller.step_read`: the newest dirty ones, one cap for every reader) are computed on the fly
+from their raw rows with the aggregator's own function, and come back with ``final = False``; so a live
+job's newest steps show without waiting for the aggregator and an old job's steps show after their raw
+rows are gone.
 
 Downsampling keeps the first and the last point and, from each run of consecutive points in
 between, the one with the largest value of the series' main measure (step time, or the max
@@ -25,9 +26,9 @@ from controller.models import (
     CollectiveStepStat,
     RankStepStat,
     StepMetric,
-    TelemetryDirtyStep,
 )
-from controller.schemas import (
+from controller.step_read import JobSteps, forming_aggregates, read_steps
+from vigil.contract.schemas import (
     CollectiveCallPublic,
     CollectiveSeriesPublic,
     JobCollectivesPublic,
@@ -37,14 +38,8 @@ from controller.schemas import (
     RankStepsPublic,
     bytes_estimated,
 )
-from controller.step_aggregates import StepAggregates, load_step
 
 T = TypeVar("T")
-
-#: Most dirty (still forming) steps aggregated on the fly per request. Older dirty steps show their raw
-#: step rows in /steps (wait unknown yet) and are left out of /collectives until aggregated.
-MAX_PROVISIONAL_STEPS = 8
-
 
 def decimate(points: Sequence[T], max_points: int, key: Callable[[T], float | None]) -> list[T]:
     """At most about ``max_points`` of ``points``: first, last, and per bucket the one with the largest ``key``."""
@@ -96,29 +91,11 @@ class StepRange:
         )
 
 
-def _dirty_steps(session: Session, job_id: str, rng: StepRange) -> list[int]:
-    """Steps of the job still forming (newest first).
-
-    Read *before* the aggregates: a step is always either dirty or aggregated (the aggregator
-    writes its rows and clears the flag in one transaction), so a step aggregated between the two
-    reads is found among the aggregates, and none falls between them.
-    """
-    q = select(TelemetryDirtyStep.step).where(TelemetryDirtyStep.job_id == job_id)
-    if rng.since_step is not None:
-        q = q.where(TelemetryDirtyStep.step >= rng.since_step)
-    if rng.until_step is not None:
-        q = q.where(TelemetryDirtyStep.step <= rng.until_step)
-    return list(session.scalars(q.order_by(TelemetryDirtyStep.step.desc())))
-
-
-def _provisional(session: Session, job_id: str, dirty: list[int]) -> dict[int, StepAggregates]:
-    """Aggregates computed now from the raw rows of the newest ``MAX_PROVISIONAL_STEPS`` dirty steps."""
-    out = {}
-    for step in dirty[:MAX_PROVISIONAL_STEPS]:
-        agg = load_step(session, job_id, step)
-        if agg is not None:
-            out[step] = agg
-    return out
+def _read_steps(session: Session, job_id: str, rng: StepRange) -> JobSteps:
+    """The job's dirty and forming steps in the range (:func:`controller.step_read.read_steps`: read before
+    the aggregates). Dirty steps older than the forming ones show their raw step rows in /steps (wait
+    unknown yet) and are left out of /collectives until aggregated."""
+    return read_steps(session, job_id, rng.since_step, rng.until_step)
 
 
 _RANK_FIELDS = ("ts", "loss", "step_time_s", "data_s", "fwd_bwd_s", "optim_s", "comm_s", "comm_wait_s",
@@ -132,7 +109,7 @@ ROW_BUDGET = 1_000_000
 def job_steps(session: Session, job_id: str, rng: StepRange, max_points: int = 2000,
               max_ranks: int = 1024) -> JobStepsPublic:
     """Per-rank step breakdown of ``job_id``; at most ``max_ranks`` ranks (lowest first)."""
-    dirty = _dirty_steps(session, job_id, rng)
+    st = _read_steps(session, job_id, rng)
     R = RankStepStat
     cols = [R.rank, R.step, R.node_id] + [getattr(R, f) for f in _RANK_FIELDS]
     # Bounded in the database, not after loading every row: the first ``max_ranks`` ranks only, and a read of
@@ -152,14 +129,14 @@ def job_steps(session: Session, job_id: str, rng: StepRange, max_points: int = 2
     by_rank: dict[int, dict[int, tuple[dict[str, Any], bool]]] = defaultdict(dict)
     for r in rows:
         by_rank[r.rank][r.step] = ({"node_id": r.node_id, **{f: getattr(r, f) for f in _RANK_FIELDS}}, True)
-    provisional = _provisional(session, job_id, dirty)
-    for step, agg in provisional.items():
+    forming = forming_aggregates(session, st)
+    for step, agg in forming.items():
         for rr in agg.ranks:
             if rng.keeps(step, rr["ts"], rr["rank"]):
                 by_rank[rr["rank"]][step] = (rr, False)
-    # Older forming steps (beyond MAX_PROVISIONAL_STEPS, e.g. a spool replay): their raw step rows
-    # as they are, the wait inside collectives still unknown.
-    older = [st for st in dirty if st not in provisional]
+    # Older dirty steps (beyond the forming ones, e.g. a spool replay): their raw step rows as they are,
+    # the wait inside collectives still unknown.
+    older = sorted(s for s in st.dirty if s not in forming)
     S = StepMetric
     for r in session.execute(
         rng.where(select(S.rank, S.step, S.node_id, S.ts, S.loss, S.step_time_s, S.data_s, S.fwd_bwd_s, S.optim_s,
@@ -194,7 +171,7 @@ def job_collectives(
 
     The aggregates are over all ranks (``ranks`` filters only the raw calls).
     """
-    dirty = _dirty_steps(session, job_id, rng)
+    st = _read_steps(session, job_id, rng)
     cols = [CollectiveStepStat.op, CollectiveStepStat.group, CollectiveStepStat.tag, CollectiveStepStat.step] + [
         getattr(CollectiveStepStat, f) for f in _COLL_FIELDS]
     q = rng.where(select(*cols).where(CollectiveStepStat.job_id == job_id), CollectiveStepStat)
@@ -203,7 +180,7 @@ def job_collectives(
     kinds: dict[tuple[str, str, str], dict[int, tuple[dict[str, Any], bool]]] = defaultdict(dict)
     for r in session.execute(q.order_by(CollectiveStepStat.step)).all():
         kinds[(r.op, r.group, r.tag)][r.step] = ({f: getattr(r, f) for f in _COLL_FIELDS}, True)
-    for step, agg in _provisional(session, job_id, dirty).items():
+    for step, agg in forming_aggregates(session, st).items():
         for c in agg.collectives:
             if rng.keeps(step, c["ts"]) and (not ops or c["op"] in ops):
                 kinds[(c["op"], c["group"], c["tag"])][step] = (c, False)
@@ -290,5 +267,5 @@ def job_metrics(session: Session, job_id: str, since_step: int | None = None, ma
 
 
 __all__ = [
-    "MAX_PROVISIONAL_STEPS", "StepRange", "decimate", "job_collectives", "job_metrics", "job_steps", "raw_calls",
+    "StepRange", "decimate", "job_collectives", "job_metrics", "job_steps", "raw_calls",
 ]

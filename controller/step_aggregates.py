@@ -7,7 +7,7 @@ written in place of the earlier ones (:func:`write_step`). Wait, transfer and at
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -16,13 +16,11 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from controller.models import CollectiveMetric, CollectiveStepStat, JobStepStat, RankStepStat, StepMetric
-from controller.step_stats import attempt_spans, fastest_of_calls, p50, step_figures
+from controller.step_stats import attempt_spans, fastest_of_calls, p50, seconds_lost, step_figures
 from controller.telemetry import bulk_insert
 
-RANK_STAT_COLUMNS = (
-    "job_id", "step", "rank", "node_id", "ts", "loss", "tokens_per_s", "step_time_s", "data_s", "fwd_bwd_s",
-    "optim_s", "comm_s", "comm_wait_s", "collectives", "payload_bytes", "wire_bytes",
-)
+RANK_STAT_COLUMNS = tuple(c.name for c in RankStepStat.__table__.columns)
+"""``rank_step_stats``'s columns in table order: the bulk insert's order, read off the model."""
 
 
 _rank_stat_values = itemgetter(*RANK_STAT_COLUMNS)
@@ -42,17 +40,15 @@ class StepAggregates:
     collectives: list[dict[str, Any]]
 
 
-# Raw row layouts fetched for one step (positions used below).
-_STEP_FIELDS = (
-    StepMetric.rank, StepMetric.node_id, StepMetric.ts, StepMetric.loss, StepMetric.tokens_per_s,
-    StepMetric.step_time_s, StepMetric.data_s, StepMetric.fwd_bwd_s, StepMetric.optim_s, StepMetric.comm_s,
-    StepMetric.val_loss,
-)
-_COLL_FIELDS = (
-    CollectiveMetric.rank, CollectiveMetric.seq, CollectiveMetric.op, CollectiveMetric.group,
-    CollectiveMetric.tag, CollectiveMetric.duration_s, CollectiveMetric.payload_bytes,
-    CollectiveMetric.wire_bytes, CollectiveMetric.elements, CollectiveMetric.ts, CollectiveMetric.node_id,
-)
+#: The per-rank fields a rank's aggregate row copies from its latest step sample, as they are.
+COPIED_STEP_FIELDS = ("loss", "tokens_per_s", "step_time_s", "data_s", "fwd_bwd_s", "optim_s")
+#: The raw step columns one step's aggregation reads (rows are read by these names, never by position).
+STEP_ROW_FIELDS = ("rank", "node_id", "ts", *COPIED_STEP_FIELDS, "comm_s", "val_loss")
+#: The raw collective columns the row-by-row path reads.
+COLL_ROW_FIELDS = ("rank", "seq", "op", "group", "tag", "duration_s", "payload_bytes", "wire_bytes", "elements",
+                   "ts", "node_id")
+_STEP_FIELDS = tuple(getattr(StepMetric, f) for f in STEP_ROW_FIELDS)
+_COLL_FIELDS = tuple(getattr(CollectiveMetric, f) for f in COLL_ROW_FIELDS)
 
 
 @dataclass
@@ -72,41 +68,36 @@ class _KindRank:
 Kind = tuple[str, str, str]
 
 
-def compute_step(job_id: str, step: int, step_rows: Iterable[Sequence[Any]],
-                 coll_rows: Iterable[Sequence[Any]]) -> StepAggregates | None:
-    """Aggregate one step from its raw rows (each iterable in arrival order, fields as ``_STEP_FIELDS``
-    and ``_COLL_FIELDS``; ``val_loss``, the last step field, may be left out). Later rows of the same
-    (rank) or (rank, seq) replace earlier ones. None when there is nothing to aggregate."""
+def compute_step(job_id: str, step: int, step_rows: Iterable[Any], coll_rows: Iterable[Any]) -> StepAggregates | None:
+    """Aggregate one step from its raw rows (each iterable in arrival order; rows with the attributes
+    :data:`STEP_ROW_FIELDS` and :data:`COLL_ROW_FIELDS` name, e.g. SQLAlchemy rows). Later rows of the
+    same (rank) or (rank, seq) replace earlier ones. None when there is nothing to aggregate."""
     step_rows = list(step_rows)
-    steps: dict[int, Sequence[Any]] = {}
-    for r in step_rows:
-        steps[r[0]] = r
-    calls: dict[tuple[int, int], Sequence[Any]] = {}
-    for c in coll_rows:
-        calls[(c[0], c[1])] = c
-    fastest = fastest_of_calls((seq, c[5]) for (_, seq), c in calls.items())
+    steps = {r.rank: r for r in step_rows}
+    calls = {(c.rank, c.seq): c for c in coll_rows}
+    fastest = fastest_of_calls((seq, c.duration_s) for (_, seq), c in calls.items())
     kinds: dict[Kind, dict[int, _KindRank]] = {}
     transfer: dict[Kind, dict[int, float]] = {}
     for (rank, seq), c in calls.items():
-        _, _, op, group, tag, d, payload, wire, elements, ts, node = c
-        kr = kinds.setdefault((op, group, tag), {}).setdefault(rank, _KindRank(node=node))
-        kr.dur += d
-        kr.wait += d - fastest[seq]
+        kind = (c.op, c.group, c.tag)
+        kr = kinds.setdefault(kind, {}).setdefault(rank, _KindRank(node=c.node_id))
+        kr.dur += c.duration_s
+        kr.wait += c.duration_s - fastest[seq]
         kr.calls += 1
-        kr.payload += payload
-        kr.wire += wire
-        kr.elements += elements
-        kr.ts = max(kr.ts, ts)
-        transfer.setdefault((op, group, tag), {})[seq] = fastest[seq]
+        kr.payload += c.payload_bytes
+        kr.wire += c.wire_bytes
+        kr.elements += c.elements
+        kr.ts = max(kr.ts, c.ts)
+        transfer.setdefault(kind, {})[seq] = fastest[seq]
     return _assemble(job_id, step, steps, kinds, {k: sum(v.values()) for k, v in transfer.items()}, len(calls),
-                     attempt_spans((r[0], r[2], r[5]) for r in step_rows))
+                     attempt_spans((r.rank, r.ts, r.step_time_s) for r in step_rows))
 
 
-def _assemble(job_id: str, step: int, steps: dict[int, Sequence[Any]], kinds: dict[Kind, dict[int, _KindRank]],
+def _assemble(job_id: str, step: int, steps: dict[int, Any], kinds: dict[Kind, dict[int, _KindRank]],
               transfer: dict[Kind, float], n_calls: int,
               spans: tuple[float | None, list[list[float]] | None] = (None, None)) -> StepAggregates | None:
-    """The three kinds of aggregate rows from per-rank step rows and per (kind, rank) collective totals
-    (``spans``: :func:`attempt_spans` of the step rows)."""
+    """The three kinds of aggregate rows from per-rank step rows (named :data:`STEP_ROW_FIELDS`) and per
+    (kind, rank) collective totals (``spans``: :func:`attempt_spans` of the step rows)."""
     if not steps and not kinds:
         return None
     collectives: list[dict[str, Any]] = []
@@ -144,18 +135,12 @@ def _assemble(job_id: str, step: int, steps: dict[int, Sequence[Any]], kinds: di
     ranks: list[dict[str, Any]] = []
     for rank in sorted(set(steps) | set(r_calls)):
         s = steps.get(rank)
-        comm_s = s[9] if s is not None and s[9] is not None else r_comm.get(rank)
         ranks.append({
             "job_id": job_id, "step": step, "rank": rank,
-            "node_id": s[1] if s is not None else r_node[rank],
-            "ts": s[2] if s is not None else r_ts[rank],
-            "loss": s[3] if s is not None else None,
-            "tokens_per_s": s[4] if s is not None else None,
-            "step_time_s": s[5] if s is not None else None,
-            "data_s": s[6] if s is not None else None,
-            "fwd_bwd_s": s[7] if s is not None else None,
-            "optim_s": s[8] if s is not None else None,
-            "comm_s": comm_s,
+            "node_id": s.node_id if s is not None else r_node[rank],
+            "ts": s.ts if s is not None else r_ts[rank],
+            **{f: getattr(s, f) if s is not None else None for f in COPIED_STEP_FIELDS},
+            "comm_s": s.comm_s if s is not None and s.comm_s is not None else r_comm.get(rank),
             "comm_wait_s": r_wait.get(rank, 0.0) if rank in r_calls else None,
             "collectives": r_calls.get(rank, 0),
             "payload_bytes": r_payload.get(rank, 0),
@@ -164,8 +149,11 @@ def _assemble(job_id: str, step: int, steps: dict[int, Sequence[Any]], kinds: di
 
     times: dict[int, float] = {r["rank"]: r["step_time_s"] for r in ranks if r["step_time_s"] is not None}
     waits: dict[int, float] = {r["rank"]: r["comm_wait_s"] for r in ranks if r["comm_wait_s"] is not None}
+    lost = _lost(times, waits)
+    for r in ranks:
+        r["lost_s"] = lost[1].get(r["rank"]) if lost is not None else None
     comms: list[float] = [r["comm_s"] for r in ranks if r["comm_s"] is not None]
-    figures = step_figures(times, (r["loss"] for r in ranks), (s[10] if len(s) > 10 else None for s in steps.values()),
+    figures = step_figures(times, (r["loss"] for r in ranks), (s.val_loss for s in steps.values()),
                            (r["tokens_per_s"] for r in ranks))
     job = {
         "job_id": job_id, "step": step, "ts": max(r["ts"] for r in ranks), "ranks": len(ranks),
@@ -175,10 +163,18 @@ def _assemble(job_id: str, step: int, steps: dict[int, Sequence[Any]], kinds: di
         "comm_wait_max_s": max(waits.values()) if waits else None,
         "most_waiting_rank": _argmax(waits) if waits else None,
         "collectives": n_calls,
+        "lost_s": lost[0] if lost is not None else None,
         "payload_bytes": sum(r_payload.values()),
         "wire_bytes": sum(r_wire.values()),
     }
     return StepAggregates(job=job, ranks=ranks, collectives=collectives)
+
+
+def _lost(times: dict[int, float], waits: dict[int, float]) -> tuple[float, dict[int, float]] | None:
+    """:func:`seconds_lost` over the ranks with both a step time and a wait (None: no rank's wait is known,
+    so no rank's own time is: the step's collectives were not captured)."""
+    own = {r: max(0.0, t - waits[r]) for r, t in times.items() if r in waits}
+    return seconds_lost(own) if own else None
 
 
 def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None:
@@ -194,9 +190,7 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     step_rows = conn.execute(
         select(*_STEP_FIELDS).where(StepMetric.job_id == job_id, StepMetric.step == step).order_by(StepMetric.attempt, StepMetric.id)
     ).all()
-    steps: dict[int, Sequence[Any]] = {}
-    for r in step_rows:
-        steps[r[0]] = r
+    steps = {r.rank: r for r in step_rows}  # arrival order: the latest sample of each rank wins
     C = CollectiveMetric
     where = (C.job_id == job_id, C.step == step)
     # Duplicates (a (rank, seq) stored under two run attempts: the rank re-ran the step after a restart)
@@ -204,12 +198,13 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     # across attempts, so a group with one attempt has none: min = max attempt, found in the same scan
     # (a count of distinct seqs per group cost a sort per group: a third of this query on SQLite).
     per_kind_rank = conn.execute(
-        select(C.op, C.group, C.tag, C.rank, func.count(), func.min(C.attempt), func.max(C.attempt),
-               func.sum(C.duration_s), func.sum(C.payload_bytes), func.sum(C.wire_bytes), func.sum(C.elements),
-               func.max(C.ts), func.min(C.node_id))
+        select(C.op, C.group, C.tag, C.rank, func.count().label("calls"), func.min(C.attempt).label("first_attempt"),
+               func.max(C.attempt).label("last_attempt"), func.sum(C.duration_s).label("dur"),
+               func.sum(C.payload_bytes).label("payload"), func.sum(C.wire_bytes).label("wire"),
+               func.sum(C.elements).label("elements"), func.max(C.ts).label("ts"), func.min(C.node_id).label("node"))
         .where(*where).group_by(C.op, C.group, C.tag, C.rank)
     ).all()
-    if any(r[5] != r[6] for r in per_kind_rank):
+    if any(r.first_attempt != r.last_attempt for r in per_kind_rank):
         coll_rows = conn.execute(select(*_COLL_FIELDS).where(*where).order_by(C.attempt, C.id)).all()
         return compute_step(job_id, step, step_rows, coll_rows)
     # The fastest duration of each call (a call: every rank's seq-th call of the step), with its kind.
@@ -227,8 +222,8 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     # every rank made every call of its kind (the rule: the ranks of a collective call it together)
     # and each call is of one kind, that sum is the rank's total minus the kind's transfer: no per-row
     # pass. Otherwise one more GROUP BY, over each row next to its call's fastest duration.
-    if len(fastest) == len(per_call) and all(r[4] == calls_of[(r[0], r[1], r[2])] for r in per_kind_rank):
-        waits = {(r[0], r[1], r[2], r[3]): float(r[7]) - transfer[(r[0], r[1], r[2])] for r in per_kind_rank}
+    if len(fastest) == len(per_call) and all(r.calls == calls_of[(r.op, r.group, r.tag)] for r in per_kind_rank):
+        waits = {(r.op, r.group, r.tag, r.rank): float(r.dur) - transfer[(r.op, r.group, r.tag)] for r in per_kind_rank}
     else:
         # By a window function: one scan, and no join for the planner to get wrong (on a fresh table
         # without statistics PostgreSQL picked a nested loop that re-aggregated per row).
@@ -240,14 +235,14 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
         transfer = {}
         for op, group, tag, seq, _ in per_call:  # a call counted once, in every kind it appears in
             transfer[(op, group, tag)] = transfer.get((op, group, tag), 0.0) + fastest[seq]
-    spans = attempt_spans((r[0], r[2], r[5]) for r in step_rows)
+    spans = attempt_spans((r.rank, r.ts, r.step_time_s) for r in step_rows)
     kinds: dict[Kind, dict[int, _KindRank]] = {}
     n_calls = 0
-    for op, group, tag, rank, count, _, _, dur, payload, wire, elements, ts, node in per_kind_rank:
-        kinds.setdefault((op, group, tag), {})[rank] = _KindRank(
-            dur=float(dur), wait=max(0.0, waits[(op, group, tag, rank)]), calls=int(count), payload=int(payload),
-            wire=int(wire), elements=int(elements), ts=float(ts), node=node)
-        n_calls += int(count)
+    for r in per_kind_rank:
+        kinds.setdefault((r.op, r.group, r.tag), {})[r.rank] = _KindRank(
+            dur=float(r.dur), wait=max(0.0, waits[(r.op, r.group, r.tag, r.rank)]), calls=int(r.calls),
+            payload=int(r.payload), wire=int(r.wire), elements=int(r.elements), ts=float(r.ts), node=r.node)
+        n_calls += int(r.calls)
     return _assemble(job_id, step, steps, kinds, transfer, n_calls, spans)
 
 
@@ -263,4 +258,4 @@ def write_step(session: Session, job_id: str, step: int, agg: StepAggregates | N
     bulk_insert(session, "rank_step_stats", RANK_STAT_COLUMNS, list(map(_rank_stat_values, agg.ranks)))
 
 
-__all__ = ["StepAggregates", "compute_step", "load_step", "write_step"]
+__all__ = ["COLL_ROW_FIELDS", "STEP_ROW_FIELDS", "StepAggregates", "compute_step", "load_step", "write_step"]

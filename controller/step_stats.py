@@ -17,6 +17,16 @@ start is ``start_ts``); every other sample (one a rank replaced, or a rank's lat
 earlier run, e.g. of a rank evicted since) ran in an earlier attempt, whose time ranges are kept,
 merged, in ``reruns`` (``[[start, end], ...]``, None when the step ran once). The goodput view
 (:mod:`controller.views`) counts that time as lost.
+
+**Seconds lost to slow ranks** (:func:`seconds_lost`). A rank's *own* time in a step is its step
+time minus its wait inside the step's collectives: data, compute, optimizer and its share of the
+transfers, without the time it spent waiting for the others. A synchronous step lasts as long as its
+slowest rank's own time; had every rank run at the median rank's pace it would have lasted the median
+own time (nearest-rank: for two ranks, the faster one). The difference is the step's seconds lost,
+shared among the ranks above the median as in the airport game's Shapley value: each stretch between
+two consecutive own times is split equally among the ranks that reach it, so one slow rank carries all
+of it and two equally slow ranks half each; the shares sum to the step's loss. docs/RECOVERY.md
+("Seconds lost to slow ranks") gives the model's limits.
 """
 
 from __future__ import annotations
@@ -67,6 +77,22 @@ def step_figures(times: Mapping[int, float], losses: Iterable[float | None], val
         out.update(step_time_p50_s=nearest_rank(ordered, 50), step_time_p90_s=nearest_rank(ordered, 90),
                    step_time_max_s=top, slowest_rank=min(r for r, t in times.items() if t == top))
     return out
+
+
+def seconds_lost(own: Mapping[int, float]) -> tuple[float, dict[int, float]]:
+    """The step's seconds lost to its slow ranks and each rank's share (see the module docstring), from
+    each rank's own time in the step. Fewer than two ranks: nothing lost."""
+    shares = dict.fromkeys(own, 0.0)
+    if len(own) < 2:
+        return 0.0, shares
+    reference = nearest_rank(sorted(own.values()), 50)
+    above = sorted(((t, r) for r, t in own.items() if t > reference), reverse=True)  # slowest first
+    levels = [t for t, _ in above] + [reference]
+    for i in range(len(above)):  # the stretch from levels[i + 1] to levels[i]: the i + 1 slowest reach it
+        part = (levels[i] - levels[i + 1]) / (i + 1)
+        for _, r in above[: i + 1]:
+            shares[r] += part
+    return levels[0] - reference, shares
 
 
 def merge_spans(spans: Iterable[tuple[float, float]]) -> list[list[float]]:
@@ -128,6 +154,6 @@ def waits_in_call(per_rank: Mapping[int, float]) -> dict[int, float]:
 
 
 __all__ = [
-    "attempt_spans", "fastest_of_calls", "finite_mean", "merge_spans", "nearest_rank", "p50", "p90", "step_figures",
-    "waits_in_call",
+    "attempt_spans", "fastest_of_calls", "finite_mean", "merge_spans", "nearest_rank", "p50", "p90", "seconds_lost",
+    "step_figures", "waits_in_call",
 ]

@@ -12,14 +12,14 @@ import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.background import BackgroundLoop
 from controller.db import session_scope
 from controller.jobs import active_jobs, record_event, transition
 from controller.launcher import JobLauncher, LaunchError
 from controller.models import Job
-from controller.schemas import STORED, JobCreate, JobStatus, Role, TokenCreate
-from controller.settings import ENV_TOKEN
 from controller.tokens import create_token, revoke_job_tokens
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.schemas import STORED, JobCreate, JobStatus, Role, TokenCreate
+from vigil.contract.settings import ENV_TOKEN
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -28,7 +29,10 @@ from controller.models import (
     RankProgress,
     TelemetryBatchSeen,
 )
-from controller.schemas import (
+from controller.recovery import adapt
+from controller.telemetry_guard import TelemetryGuard
+from vigil.contract.schemas import (
+    LIVE_OPS,
     CheckpointSample,
     CollectiveSample,
     FaultSample,
@@ -38,7 +42,6 @@ from controller.schemas import (
     TelemetryAck,
     TelemetryBatch,
 )
-from controller.telemetry_guard import TelemetryGuard
 
 log = logging.getLogger(__name__)
 
@@ -66,20 +69,20 @@ def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-#: Columns of the raw tables, in the order the bulk writers send them (``node_id`` last: it is the
+STEP_NOT_STORED = frozenset({"kind", "world_size", "pid"})
+"""Fields of a :class:`StepSample` the controller does not keep (the kind is the table; world size and pid are
+the rank's own business)."""
+#: The step record's columns: the fields of :class:`StepSample` (declared there once, in its order) that
+#: ``step_metrics`` stores. The JSON path's getter, the columnar rows and the bulk insert all use this tuple;
+#: the table holds exactly these plus ``id`` and the batch's ``node_id`` (tests/controller/test_columnar.py).
+STEP_COLUMNS = tuple(f for f in StepSample.model_fields if f not in STEP_NOT_STORED)
+#: Columns of the collective table, in the order the bulk writers send them (``node_id`` last: it is the
 #: batch's, not the sample's). ``group`` is quoted: it is an SQL keyword.
-STEP_COLUMNS = (
-    "job_id", "rank", "step", "attempt", "ts", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "data_s",
-    "fwd_bwd_s", "optim_s", "comm_s", "comm_wait_s", "val_loss", "dropped",
-)
 COLLECTIVE_COLUMNS = (
     "job_id", "rank", "step", "attempt", "seq", "op", "group", "tag", "payload_bytes", "wire_bytes", "elements",
     "duration_s", "ts",
 )
 _OP = COLLECTIVE_COLUMNS.index("op")
-LIVE_OPS = frozenset({"heal", "quorum"})
-"""Collectives of live recovery that are also events of the job (``vigil.live``): a replica healed from
-a live peer, a quorum formed again inside a step because a peer failed."""
 _step_values = attrgetter(*STEP_COLUMNS)
 _collective_values = attrgetter(*COLLECTIVE_COLUMNS)
 _step_key = attrgetter("job_id", "step")
@@ -156,8 +159,8 @@ def mark_dirty(session: Session, steps: Iterable[tuple[str, int]], now: float) -
 @dataclass
 class Prepared:
     """One batch's samples of known jobs, ready to store: raw rows in the bulk writers' column order
-    (``node_id`` last), the (job, step) pairs they touch, the step samples job progress is read
-    from, and the rare kinds that take their own code."""
+    (``node_id`` last), the (job, step) pairs they touch, per job the step sample its progress is read
+    from (:func:`newest_step_lowest_rank`), and the rare kinds that take their own code."""
 
     steps: list[tuple[Any, ...]]
     collectives: list[tuple[Any, ...]]
@@ -268,13 +271,16 @@ def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
         node = (batch.node_id,)
         # Comprehensions and C-level getters: this runs for every sample ingested.
         step_samples: list[StepSample] = [s for s in samples if s.kind == "step"]  # type: ignore[misc]
+        newest = newest_step_lowest_rank(np.array([s.job_id for s in step_samples]),
+                                         np.fromiter((s.step for s in step_samples), np.int64, len(step_samples)),
+                                         np.fromiter((s.rank for s in step_samples), np.int64, len(step_samples)))
         collectives = [_collective_values(s) + node for s in samples if s.kind == "collective"]
         return Prepared(
             steps=[_step_values(s) + node for s in step_samples],
             collectives=collectives,
             live=[r for r in collectives if r[_OP] in LIVE_OPS],
             touched=set(map(_step_key, (s for s in samples if s.kind in ("step", "collective")))),
-            progress=step_samples,
+            progress=[step_samples[i] for i in newest],
             checkpoints=[s for s in samples if s.kind == "checkpoint"],  # type: ignore[misc]
             faults=[s for s in samples if s.kind == "fault"],  # type: ignore[misc]
             states=[s for s in samples if s.kind == "progress"],  # type: ignore[misc]
@@ -285,19 +291,26 @@ def ingest(session: Session, batch: TelemetryBatch, now: float | None = None,
     return store(session, batch, job_ids, prepare, now, host_history, guard)
 
 
+def newest_step_lowest_rank(job: np.ndarray, step: np.ndarray, rank: np.ndarray) -> list[int]:
+    """Per job, the index of its row with the newest step and, among that step's rows, the lowest rank:
+    the sample ``jobs.last_step`` and ``jobs.last_loss`` are read from (chosen here and nowhere else; both
+    wire formats call it, the columnar one on its columns, the JSON one on arrays of its samples)."""
+    if len(job) == 0:
+        return []
+    order = np.lexsort((rank, -step.astype(np.int64), job))  # by job, then step descending, then rank ascending
+    return order[np.r_[True, job[order][1:] != job[order][:-1]]].tolist()
+
+
 def update_job_progress(session: Session, samples: list[StepSample]) -> None:
-    latest: dict[str, StepSample] = {}
+    """Move each job's ``last_step`` / ``last_loss`` forward to its sample in ``samples`` (one per job, from
+    :func:`newest_step_lowest_rank`); a sample of an older step than the stored one changes nothing."""
     for s in samples:
-        cur = latest.get(s.job_id)
-        if cur is None or (s.step, -s.rank) > (cur.step, -cur.rank):
-            latest[s.job_id] = s
-    for job_id, s in latest.items():
         # One prepared UPDATE, no ORM load or statement compilation: this runs for every batch.
         conn = session.connection()
         m = "?" if conn.dialect.name == "sqlite" else "%s"
         conn.exec_driver_sql(
             f"UPDATE jobs SET last_step = {m}, last_loss = {m} WHERE id = {m} AND (last_step IS NULL OR last_step <= {m})",
-            (s.step, s.loss, job_id, s.step),
+            (s.step, s.loss, s.job_id, s.step),
         )
 
 
@@ -321,8 +334,12 @@ def record_rank_progress(session: Session, samples: list[ProgressSample]) -> Non
 
 
 def record_fault_hits(session: Session, samples: list[FaultSample]) -> None:
-    """The step each in-rank fault really hit, from the rank's report (the first report wins)."""
+    """The step each in-rank fault really hit, from the rank's report (the first report wins); a report of
+    kind ``adapt`` is a switch to a version of the job's setting (:func:`controller.recovery.adapt.record_switch`)."""
     for s in samples:
+        if s.fault_kind == adapt.ADAPT_KIND:
+            adapt.record_switch(session, s)
+            continue
         session.execute(update(Fault).where(Fault.id == s.fault_id, Fault.job_id == s.job_id, Fault.hit_step.is_(None))
                         .values(hit_step=s.step))
 
@@ -360,8 +377,8 @@ def record_live_events(session: Session, live: Sequence[tuple[Any, ...]], node_i
             message = (f"rank {rank} healed from a live peer in {seconds:.2f} s "
                        f"({r[col['payload_bytes']] / 1e6:.1f} MB of state); it runs step {step} with the others")
         else:
-            message = (f"rank {rank}: a collective of step {step} failed (a peer left); a new quorum without it "
-                       f"in {seconds:.2f} s, the step run again")
+            message = (f"rank {rank}: a collective of step {step} failed (a peer left); {seconds:.2f} s from its "
+                       "start to a new quorum without that peer, the step run again")
         record_event(session, f"live_{op}", message, job_id=r[col["job_id"]], node_id=node_id,
                      data={"rank": rank, "step": step, "seconds": round(seconds, 3), "attempt": r[col["attempt"]]})
 

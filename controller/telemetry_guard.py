@@ -28,9 +28,9 @@ from prometheus_client import Counter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from controller.checkpoint_layout import is_uri, normalise_uri, slugify
 from controller.jobs import record_event
 from controller.models import Job
+from vigil.contract.checkpoint_layout import is_uri, normalise_uri, slugify
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def ray_placement(launcher: object, cluster: object) -> Placement | None:
 
 def _norm(path: str) -> str | None:
     """``path`` with ``.``, ``..`` and doubled slashes resolved; a URI normalised
-    (:func:`~controller.checkpoint_layout.normalise_uri`), or None when it holds a ``.``, ``..`` or empty
+    (:func:`~vigil.contract.checkpoint_layout.normalise_uri`), or None when it holds a ``.``, ``..`` or empty
     segment: an object store takes those literally, so no prefix comparison could place it."""
     if is_uri(path):
         try:

@@ -19,7 +19,7 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from controller.models import ApiToken, Job
-from controller.schemas import Role, TokenCreate, TokenCreated, TokenPublic
+from vigil.contract.schemas import Role, TokenCreate, TokenCreated, TokenPublic
 
 TOKEN_PREFIX = "vgl_"
 HINT_CHARS = 8

@@ -34,8 +34,8 @@ from controller.models import (
     RankStepStat,
     StepMetric,
 )
-from controller.schemas import JobMarker
-from controller.view_steps import _dup_attempts, _Steps, _steps
+from controller.step_read import JobSteps, forming_rows, forming_spans, read_steps
+from vigil.contract.schemas import JobMarker
 
 MAX_MARKERS = 2000
 """Markers returned per overview, the newest."""
@@ -65,12 +65,11 @@ def _step_at(session: Session, job_id: str, t: float, forming: dict[int, tuple[f
     return max(ended)[1] if ended else None
 
 
-def job_markers(session: Session, job: Job, st: _Steps | None = None,
-                forming: dict[int, tuple[float, float]] | None = None) -> list[JobMarker]:
-    """The job's markers, oldest first (module docstring); ``forming``: step -> (start, end) of forming steps."""
+def job_markers(session: Session, job: Job, st: JobSteps | None = None) -> list[JobMarker]:
+    """The job's markers, oldest first (module docstring); ``st``: the job's steps as the caller read them."""
     job_id = job.id
-    st = st or _steps(session, job_id)
-    spans = forming or {}
+    st = st or read_steps(session, job_id)
+    spans = forming_spans(session, st)
     out: list[JobMarker] = []
 
     def step_at(t: float) -> int | None:
@@ -123,7 +122,7 @@ def job_markers(session: Session, job: Job, st: _Steps | None = None,
     return out[-MAX_MARKERS:]
 
 
-def _rerun_starts(session: Session, job_id: str, st: _Steps) -> dict[int, float]:
+def _rerun_starts(session: Session, job_id: str, st: JobSteps) -> dict[int, float]:
     """Steps run more than once -> when their kept attempt started."""
     J = JobStepStat
     starts: dict[int, float] = {}
@@ -131,9 +130,9 @@ def _rerun_starts(session: Session, job_id: str, st: _Steps) -> dict[int, float]
         select(J.step, J.start_ts, J.ts).where(J.job_id == job_id, J.reruns.is_not(None), J.step.not_in(st.forming))
     ).all():
         starts[step] = start if start is not None else ts
-    for step, (start, _, reruns) in _dup_attempts(session, job_id, st).items():
-        if reruns:
-            starts[step] = start
+    for step, f in forming_rows(session, st).items():
+        if f.reruns:
+            starts[step] = f.start
     return starts
 
 

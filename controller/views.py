@@ -1,14 +1,14 @@
-"""Derived read views (schemas: :mod:`controller.schemas.views`): job overview, binned heatmap, node
+"""Derived read views (schemas: :mod:`vigil.contract.schemas.views`): job overview, binned heatmap, node
 host history (goodput: :mod:`controller.goodput`). Pure reads; nothing here writes.
 
 **Where the numbers come from.** A settled step is read from its aggregates
 (:mod:`controller.aggregation`: one ``job_step_stats`` row per step holds the job-wide figures, one
 ``rank_step_stats`` row per rank the rank's), so the overview of a 10,000-rank job reads one row per
-step, not 10,000. The newest :data:`~controller.view_steps.MAX_FORMING_STEPS` steps still forming
-(marked dirty; :mod:`controller.view_steps`) are computed from their raw samples with the
-aggregator's own definitions (``final`` False); an older forming step shows its earlier aggregate if
-it has one, and otherwise cuts the overview short just before it, so that a client polling with
-``since_step = last_step + 1`` never skips it. Ranks are
+step, not 10,000. The steps still forming (the newest :data:`~controller.step_read.MAX_FORMING_STEPS`
+dirty ones: :mod:`controller.step_read`, the one reader of per-step aggregates) are computed from their
+raw samples with the aggregator's own definitions (``final`` False); an older dirty step shows its
+earlier aggregate if it has one, and otherwise cuts the overview short just before it, so that a client
+polling with ``since_step = last_step + 1`` never skips it. Ranks are
 folded in SQL wherever the view is a sum, a max or a count (slowest ranks, heatmap cells); Python
 sees one row per rank or per cell. A re-run step (restart from a checkpoint) shows its latest
 attempt: the latest sample of each rank wins, as in the aggregates.
@@ -62,166 +62,65 @@ survives).
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from sqlalchemy import BigInteger, cast, distinct, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.host_history import HOST_FIELDS
 from controller.models import (
-    CollectiveMetric,
     Job,
     JobStepStat,
     NodeHostSample,
     RankStepStat,
-    StepMetric,
 )
-from controller.schemas import (
+from controller.series import decimate
+from controller.step_read import (
+    JobSteps,
+    StepRecord,
+    cut_before_unshown,
+    forming_rows,
+    read_steps,
+    step_records,
+)
+from controller.step_stats import p50
+from controller.view_markers import job_markers
+from vigil.contract.schemas import (
     JobOverviewPublic,
     NodeHistoryPublic,
     RankSummary,
     StepHeatmapPublic,
 )
-from controller.series import decimate
-from controller.step_stats import p50, step_figures
-from controller.view_markers import job_markers
-from controller.view_steps import _latest_rows, _Steps, _steps
 
 # --------------------------------------------------------------------------------------------------
 # Overview
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Point:
-    ts: float
-    loss: float | None
-    val_loss: float | None
-    tokens_per_s: float
-    p50: float
-    p90: float
-    max: float
-    slowest: int
-    reporting: int
-    wire_bytes: int
-    final: bool
-
-
-def _point(ts: float, fig: dict[str, Any], wire: int, final: bool) -> _Point:
-    return _Point(ts=ts, loss=fig["loss_mean"], val_loss=fig["val_loss_mean"], tokens_per_s=fig["tokens_per_s"] or 0.0,
-                  p50=fig["step_time_p50_s"], p90=fig["step_time_p90_s"], max=fig["step_time_max_s"],
-                  slowest=fig["slowest_rank"], reporting=fig["reporting"], wire_bytes=int(wire or 0), final=final)
-
-
-def _legacy_figures(session: Session, job_id: str, steps: list[int]) -> dict[int, dict[str, Any]]:
-    """Figures of aggregates written before migration 0006 (``reporting`` NULL), from their rank rows."""
-    R = RankStepStat
-    per: dict[int, dict[int, Any]] = defaultdict(dict)
-    for i in range(0, len(steps), 500):
-        for r in session.execute(select(R.step, R.rank, R.loss, R.tokens_per_s, R.step_time_s).where(
-                R.job_id == job_id, R.step.in_(steps[i:i + 500]), R.step_time_s.is_not(None))).all():
-            per[r.step][r.rank] = r
-    return {step: step_figures({k: r.step_time_s for k, r in rows.items()}, (r.loss for r in rows.values()), (),
-                               (r.tokens_per_s for r in rows.values()))
-            for step, rows in per.items()}
-
-
-def _forming_wire_bytes(session: Session, job_id: str, steps: Sequence[int]) -> dict[int, int]:
-    """Wire bytes of forming steps, the latest sample of each (rank, seq) counted once."""
-    if not steps:
-        return {}
-    C = CollectiveMetric
-    key = cast(C.rank, BigInteger) * 2_147_483_648 + C.seq  # (rank, seq) as one number: portable COUNT(DISTINCT)
-    out: dict[int, int] = {}
-    dup_steps = []
-    for step, total, n, n_distinct in session.execute(
-        select(C.step, func.sum(C.wire_bytes), func.count(), func.count(distinct(key)))
-        .where(C.job_id == job_id, C.step.in_(list(steps))).group_by(C.step)
-    ).all():
-        if n == n_distinct:
-            out[step] = int(total or 0)
-        else:
-            dup_steps.append(step)
-    if dup_steps:
-        latest: dict[tuple[int, int, int], int] = {}
-        for step, rank, seq, wire in session.execute(
-            select(C.step, C.rank, C.seq, C.wire_bytes).where(C.job_id == job_id, C.step.in_(dup_steps)).order_by(C.attempt, C.id)
-        ).all():
-            latest[(step, rank, seq)] = wire
-        for (step, _, _), wire in latest.items():
-            out[step] = out.get(step, 0) + int(wire)
-    return out
-
-
 def job_overview(session: Session, job: Job, *, since_step: int | None = None, top_k: int = 10,
                  rank_window: int = 50, max_points: int = 2000) -> JobOverviewPublic:
     """The job-wide figures per step from ``since_step``, the window's slowest ranks and the markers
-    (module docstring)."""
+    (module docstring). The steps are :func:`controller.step_read.step_records`, named as the API names them."""
     job_id = job.id
-    st = _steps(session, job_id, dups=False)  # the forming rows read below tell the re-run steps
-    J = JobStepStat
-    q = select(J.step, J.ts, J.loss_mean, J.val_loss_mean, J.tokens_per_s, J.step_time_p50_s, J.step_time_p90_s,
-               J.step_time_max_s, J.slowest_rank, J.reporting, J.wire_bytes).where(
-        J.job_id == job_id, J.step_time_max_s.is_not(None))
-    if since_step is not None:
-        q = q.where(J.step >= since_step)
-    points: dict[int, _Point] = {}
-    legacy: dict[int, Any] = {}
-    for r in session.connection().execute(q).all():
-        if r.reporting is None:
-            legacy[r.step] = r
-            continue
-        points[r.step] = _Point(ts=r.ts, loss=r.loss_mean, val_loss=r.val_loss_mean, tokens_per_s=r.tokens_per_s or 0.0,
-                                p50=r.step_time_p50_s, p90=r.step_time_p90_s, max=r.step_time_max_s,
-                                slowest=r.slowest_rank, reporting=r.reporting, wire_bytes=int(r.wire_bytes),
-                                final=r.step not in st.dirty)
-    if legacy:
-        for step, fig in _legacy_figures(session, job_id, sorted(legacy)).items():
-            points[step] = _point(legacy[step].ts, fig, legacy[step].wire_bytes, step not in st.dirty)
-
-    # Forming steps, from their raw rows (read once: the slowest ranks and the markers use them too).
-    S = StepMetric
-    raw, st.dups = _latest_rows(session, job_id, st.forming, S.ts, S.loss, S.val_loss, S.tokens_per_s,
-                                S.step_time_s, S.comm_wait_s, S.node_id)
-    wanted = [s for s in st.forming if since_step is None or s >= since_step]
-    wire = _forming_wire_bytes(session, job_id, wanted)
-    forming_spans: dict[int, tuple[float, float]] = {}  # for the markers: when each forming step ran
-    for step, rows in raw.items():
-        # Columns at once (a transpose in C), in the order read above.
-        _, ranks_, ts, loss, val_loss, tokens, times, *_ = zip(*rows.values(), strict=True)
-        forming_spans[step] = (min(map(operator.sub, ts, times)), max(ts))
-        if since_step is None or step >= since_step:
-            fig = step_figures(dict(zip(ranks_, times, strict=True)), loss, val_loss, tokens)
-            points[step] = _point(forming_spans[step][1], fig, wire.get(step, 0), False)
-    # An older forming step without any aggregate yet: stop just before it (module docstring).
-    older = [s for s in st.dirty if s not in points and s not in st.forming and (since_step is None or s >= since_step)]
-    if older:
-        have = set(session.scalars(select(J.step).where(J.job_id == job_id, J.step.in_(older))))
-        missing = [s for s in older if s not in have]
-        if missing:
-            points = {s: p for s, p in points.items() if s < min(missing)}
-
-    ordered = sorted(points.items())
-    kept = decimate(ordered, max_points, key=lambda p: p[1].max)
-    last_job_step = max([s for s, _ in ordered] + [_last_step(session, job_id, st)])
-    ranks, slowest = _slowest_ranks(session, job_id, st, raw, last_job_step, rank_window, top_k)
+    st = read_steps(session, job_id)  # the whole job's: the slowest ranks and the markers use the forming rows too
+    records = cut_before_unshown(session, st, step_records(session, st, since_step), since_step)
+    ordered = [records[s] for s in sorted(records)]
+    kept = decimate(ordered, max_points, key=lambda r: r.step_time_max_s)
+    last_job_step = max([r.step for r in ordered] + [_last_step(session, job_id, st)])
+    ranks, slowest = _slowest_ranks(session, job_id, st, last_job_step, rank_window, top_k)
+    columns = {f: [getattr(r, f) for r in kept] for f in _OVERVIEW_SERIES}
     return JobOverviewPublic(
-        job_id=job_id, ranks=ranks, step=[s for s, _ in kept], ts=[p.ts for _, p in kept],
-        loss=[p.loss for _, p in kept], val_loss=[p.val_loss for _, p in kept],
-        tokens_per_s=[p.tokens_per_s for _, p in kept], step_time_p50_s=[p.p50 for _, p in kept],
-        step_time_p90_s=[p.p90 for _, p in kept], step_time_max_s=[p.max for _, p in kept],
-        slowest_rank=[p.slowest for _, p in kept], reporting=[p.reporting for _, p in kept],
-        wire_bytes=[p.wire_bytes for _, p in kept], final=[p.final for _, p in kept],
-        slowest_ranks=slowest, markers=job_markers(session, job, st, forming_spans),
-        last_step=ordered[-1][0] if ordered else None,
+        job_id=job_id, ranks=ranks, **columns, slowest_ranks=slowest, markers=job_markers(session, job, st),
+        last_step=ordered[-1].step if ordered else None,
     )
 
 
-def _last_step(session: Session, job_id: str, st: _Steps) -> int:
+_OVERVIEW_SERIES = tuple(f for f in StepRecord._fields if f in JobOverviewPublic.model_fields)
+"""The per-step lists of the overview: the record's fields the API has, by the same names."""
+
+
+def _last_step(session: Session, job_id: str, st: JobSteps) -> int:
     """The job's newest step (-1: none)."""
     agg = session.scalar(select(func.max(JobStepStat.step)).where(
         JobStepStat.job_id == job_id, JobStepStat.step_time_max_s.is_not(None)))
@@ -244,11 +143,10 @@ class _RankAcc:
         self.waits += waits
 
 
-def _slowest_ranks(session: Session, job_id: str, st: _Steps, forming: dict[int, dict[int, Any]], last: int | None,
-                   window: int, top_k: int) -> tuple[int, list[RankSummary]]:
-    """(ranks seen in the job's last ``window`` steps, the ``top_k`` slowest of them by mean step time).
-
-    ``forming``: the latest raw row (``step_time_s``, ``comm_wait_s``, ``node_id``) per rank of the forming steps."""
+def _slowest_ranks(session: Session, job_id: str, st: JobSteps, last: int | None, window: int,
+                   top_k: int) -> tuple[int, list[RankSummary]]:
+    """(ranks seen in the job's last ``window`` steps, the ``top_k`` slowest of them by mean step time); the
+    forming steps from their latest raw rows."""
     if last is None or last < 0:
         return 0, []
     lo = last - window + 1
@@ -262,8 +160,9 @@ def _slowest_ranks(session: Session, job_id: str, st: _Steps, forming: dict[int,
     ).all():
         acc[rank].add(int(n), float(total), float(mx), wait, int(waits))
     nodes: dict[int, tuple[int, str]] = {}
+    forming = forming_rows(session, st)
     for step in sorted(s for s in forming if lo <= s <= last):  # ascending: the newest step's node wins
-        for rank, r in forming[step].items():  # inline: this loop runs once per rank and forming step
+        for rank, r in forming[step].rows.items():  # inline: this loop runs once per rank and forming step
             a = acc[rank]
             t, w = r.step_time_s, r.comm_wait_s
             a.steps += 1
@@ -288,7 +187,7 @@ def _slowest_ranks(session: Session, job_id: str, st: _Steps, forming: dict[int,
     ]
 
 
-def _rank_nodes(session: Session, job_id: str, ranks: list[int], lo: int, last: int, st: _Steps) -> dict[int, str]:
+def _rank_nodes(session: Session, job_id: str, ranks: list[int], lo: int, last: int, st: JobSteps) -> dict[int, str]:
     """The node of each rank's newest settled step in ``lo..last``."""
     best: dict[int, tuple[int, str]] = {}
     if not ranks:
@@ -315,7 +214,7 @@ def job_heatmap(session: Session, job_id: str, *, since_step: int | None = None,
     Settled steps are binned by the database (``GROUP BY`` of the bin numbers over ``rank_step_stats``);
     the forming ones are read as (step, rank, step time) rows, the latest per rank.
     """
-    st = _steps(session, job_id, since_step, dups=False)
+    st = read_steps(session, job_id, since_step)
     R, J = RankStepStat, JobStepStat
     lo_step = since_step if since_step is not None else 0
     # Bounds of the settled steps: steps from the job rows (one per step), ranks by a min/max seek per
@@ -324,8 +223,7 @@ def job_heatmap(session: Session, job_id: str, *, since_step: int | None = None,
     r_max = select(func.max(R.rank)).where(R.job_id == J.job_id, R.step == J.step).scalar_subquery()
     bounds = [session.execute(select(func.min(J.step), func.max(J.step), func.min(r_min), func.max(r_max)).where(
         J.job_id == job_id, J.step >= lo_step, J.step_time_max_s.is_not(None), J.step.not_in(st.forming))).one()]
-    forming, _ = _latest_rows(session, job_id, st.forming, StepMetric.step_time_s)
-    cells = [(step, rank, r.step_time_s) for step, rows in forming.items() for rank, r in rows.items()]
+    cells = [(step, rank, r.step_time_s) for step, f in forming_rows(session, st).items() for rank, r in f.rows.items()]
     if cells:
         bounds.append((min(c[0] for c in cells), max(c[0] for c in cells), min(c[1] for c in cells),
                        max(c[1] for c in cells)))

@@ -3,8 +3,8 @@
 Two panels, each a component a page places in its layout (once per page), with their callbacks:
 
 * :func:`job_actions_panel` (ids ``actions-job-*``): "Cancel job", "Recover" (reason, and a node to
-  evict first: :class:`~controller.schemas.RecoverRequest`) and "Inject fault"
-  (:class:`~controller.schemas.FaultCreate`: kind, rank or node, step, params);
+  evict first: :class:`~vigil.contract.schemas.RecoverRequest`) and "Inject fault"
+  (:class:`~vigil.contract.schemas.FaultCreate`: kind, rank or node, step, params);
 * :func:`node_actions_panel` (ids ``actions-node-*``): "Evict" (with the ranks' deadline) and "Readmit".
 
 Every action asks for confirmation in a modal first, and runs only for a browser signed in with a
@@ -14,8 +14,7 @@ controller refuses anyway (403, 409...), its answer is shown. The outcome goes t
 ``actions-job-result`` / ``actions-node-result``.
 
 The panels' callbacks are registered on each app by :func:`register_callbacks` (called by
-:func:`dashboard.app.create_dash_app`): this module is imported once per process, unlike the page
-modules that Dash re-executes for every app. Place a panel in a part of the page that the page's
+:func:`dashboard.app.create_dash_app`, as each page's ``register``). Place a panel in a part of the page that the page's
 polling callback does not re-render, or an open dialog would be reset under the user.
 """
 
@@ -29,10 +28,10 @@ import dash_bootstrap_components as dbc
 from dash import Input, Output, State, dcc, html
 from pydantic import ValidationError
 
-from controller.client import ApiError
-from controller.schemas import FaultCreate, FaultKind, RecoverRequest
 from dashboard import auth
 from dashboard.context import FETCH_ERRORS, describe_error, open_client
+from vigil.contract.client import ApiError
+from vigil.contract.schemas import FaultCreate, FaultKind, RecoverRequest
 
 HIDDEN = {"display": "none"}
 SHOWN = {"display": "block"}

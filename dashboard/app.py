@@ -15,8 +15,9 @@ Two ways to run it:
 * **Standalone**: ``vigil dashboard --controller URL --port 8050`` (or
   ``python -m dashboard ...``) calls :func:`main`, which serves the app at ``/``.
 
-The pages live in ``dashboard/pages`` (one module per page, global callbacks). This module must
-not import torch, ray or the trainer; a test checks it.
+The pages live in ``dashboard/pages`` (one folder per page); :func:`create_dash_app` registers each of
+:data:`PAGES` and its callbacks on the app it builds. This module must not import torch, ray or the
+trainer; a test checks it.
 
 The app reads the controller with its own token, read-only. A person may sign in (``/signin``) with
 their own token, which the server keeps (:mod:`dashboard.auth`): the navigation bar shows
@@ -32,20 +33,20 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import dash
 import dash_bootstrap_components as dbc
 from dash import Input, Output, dcc, html
-from dash import _callback as dash_callback
 
-from controller.settings import ENV_TOKEN
 from dashboard import actions, auth
 from dashboard.context import CONFIG_KEY, FETCH_ERRORS, REFRESH_MS, DashboardConfig, open_client
+from dashboard.pages import compare, events, job, jobs, node, nodes, signin
+from vigil.contract.settings import ENV_TOKEN
 
 log = logging.getLogger(__name__)
 
-PAGES_FOLDER = Path(__file__).resolve().parent / "pages"
+PAGES = (jobs, job, nodes, node, compare, events, signin)
+"""The dashboard's pages (``dashboard/pages/<page>/``), each registered by its ``register(app)``."""
 MOUNT_PREFIX = "/dashboard/"
 """Where the controller mounts the dashboard."""
 NAV_LINKS = (("Jobs", ""), ("Nodes", "nodes"), ("Compare", "compare"), ("Events", "events"))
@@ -57,22 +58,6 @@ def _normalise_prefix(prefix: str) -> str:
     if not prefix.endswith("/"):
         prefix += "/"
     return prefix
-
-
-def _claim_global_callbacks(app: dash.Dash) -> None:
-    """Move the callbacks the pages just registered globally into ``app``, now.
-
-    Dash keeps ``@dash.callback`` registrations in a process-wide list and hands all of them to
-    the first app that serves a request. Every ``create_dash_app`` re-executes the page modules,
-    which registers a fresh copy of their callbacks; claiming that copy right away gives each app
-    its own, so two apps in one process (tests, or a standalone app next to a mounted one) both
-    work whichever serves first. This mirrors what ``Dash._setup_server`` does on first request;
-    ``tests/dashboard/test_app.py`` checks it still works on the installed Dash.
-    """
-    for key in list(dash_callback.GLOBAL_CALLBACK_MAP):
-        app.callback_map[key] = dash_callback.GLOBAL_CALLBACK_MAP.pop(key)
-    app._callback_list.extend(dash_callback.GLOBAL_CALLBACK_LIST)
-    dash_callback.GLOBAL_CALLBACK_LIST.clear()
 
 
 def _shell(prefix: str) -> html.Div:
@@ -156,14 +141,15 @@ def create_dash_app(
     app = dash.Dash(
         "dashboard",
         use_pages=True,
-        pages_folder=str(PAGES_FOLDER),
+        pages_folder="",  # the pages are registered below, not found by walking a folder
         requests_pathname_prefix=prefix,
         routes_pathname_prefix="/",
         title="Vigil",
         update_title=None,
         serve_locally=True,  # the browser may have no internet; Dash serves its own JS bundles
     )
-    _claim_global_callbacks(app)
+    for page in PAGES:  # after the app exists (dash.register_page needs it); each page's callbacks once
+        page.register(app)
     app.server.config[CONFIG_KEY] = DashboardConfig(
         api_base_url=api_base_url.rstrip("/"), token=token, prefix=prefix, refresh_ms=refresh_ms
     )
@@ -175,7 +161,7 @@ def create_dash_app(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from controller.settings import get_settings  # cheap (pydantic-settings only)
+    from vigil.contract.settings import get_settings  # cheap (pydantic-settings only)
 
     p = argparse.ArgumentParser(prog="vigil dashboard", description="Serve the Vigil dashboard on its own.")
     p.add_argument("--controller", default=get_settings().controller_url, help="controller base URL")

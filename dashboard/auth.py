@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import flask
 
-from controller.schemas import Role, WhoAmI
+from vigil.contract.schemas import Role, WhoAmI
 
 SECRET_ENV = "VIGIL_DASHBOARD_SECRET"
 """Environment variable holding the Flask secret that signs the session cookie (else random per process)."""

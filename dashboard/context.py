@@ -1,7 +1,7 @@
 """Per-app configuration of the dashboard and the controller client its callbacks use.
 
-Dash pages register their callbacks globally (module level), but the controller URL, the token
-and the URL prefix belong to one app: several apps may live in one process (tests; the controller
+The pages' callbacks are plain functions of the page's inputs, but the controller URL, the token and
+the URL prefix belong to one app: several apps may live in one process (tests; the controller
 mounting one while another runs standalone). So each app stores a :class:`DashboardConfig` in its
 Flask server's config, and callbacks read the one of the app serving the current request.
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import flask
 import httpx
 
-from controller.client import ApiError, VigilClient
 from dashboard import auth
+from vigil.contract.client import ApiError, VigilClient
 
 CONFIG_KEY = "VIGIL_DASHBOARD"
 REFRESH_MS = 2000

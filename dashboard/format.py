@@ -1,24 +1,33 @@
-"""Text formatting shared by every page of the dashboard, written once.
+"""Text and number formatting shared by every page of the dashboard, written once.
 
-Each function turns one value (a time, a duration, a byte count or rate, a list of ranks, a job's
-progress, an incident) into the short string a table cell, a header or a figure title shows, with
-:data:`DASH` for a missing value and :data:`NA` for a metric a node does not have. Nothing here
-builds Dash components or figures, so the tables, grids and figures all format alike.
+Each ``fmt_*`` function turns one value (a time, a duration, a byte count or rate, a list of ranks, a
+job's progress, an incident) into the short string a table cell, a header or a figure title shows,
+with :data:`DASH` for a missing value and :data:`NA` for a metric a node does not have;
+:func:`round_sig` rounds the numbers that go into figures and grids. Nothing here builds Dash
+components or figures, so the tables, grids and figures all format alike.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
 
-from controller.schemas import IncidentPublic, JobPublic, RankProcess
+from vigil.contract.schemas import IncidentPublic, JobPublic, RankProcess
 
 DASH = "–"
 """Shown for a missing value."""
 NA = "n/a"
 """Shown where a node does not have (or could not measure) a metric."""
+
+
+def round_sig(value: float | None, digits: int = 4) -> float | None:
+    """``value`` rounded to ``digits`` significant digits (smaller JSON; ``None`` and non-finite as ``None``)."""
+    if value is None or not math.isfinite(value):
+        return None
+    if value == 0:
+        return 0.0
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
 
 
 def fmt_time(ts: datetime | None) -> str:
@@ -131,25 +140,6 @@ def fmt_rank_list(ranks: Sequence[int], limit: int = 12) -> str:
     parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
     if len(parts) > limit:
         return ", ".join(parts[:limit]) + f", ... ({len(rs)} ranks)"
-    return ", ".join(parts)
-
-
-def fmt_host(host: Mapping[str, Any]) -> str:
-    """Host metrics as ``key=value`` pairs (floats to 3 significant digits, nested dicts flattened)."""
-    if not host:
-        return DASH
-    parts: list[str] = []
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k in sorted(value):
-                walk(f"{prefix}.{k}" if prefix else str(k), value[k])
-        elif isinstance(value, float):
-            parts.append(f"{prefix}={fmt_float(value, 3)}")
-        else:
-            parts.append(f"{prefix}={value}")
-
-    walk("", host)
     return ", ".join(parts)
 
 

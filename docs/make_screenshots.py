@@ -1,14 +1,16 @@
 """Screenshots of the dashboard's main views, from a real run with faults (docs/img/*.png, used by the
 README and docs/DASHBOARD.md).
 
-    .venv/bin/python docs/make_screenshots.py [--out docs/img] [--steps 360]
+    .venv/bin/python docs/make_screenshots.py [--out docs/img] [--steps 360] [--live]
 
 What it does, all real: starts a local cluster as ``vigil up --nodes 3`` does (Ray head + 3 worker
 raylets, an agent per node, the controller with the dashboard mounted), submits the bundled GPT demo
 on 3 ranks, injects a 3x straggler (rank 2, compute) and later a hang (rank 1, SIGSTOP), lets Vigil
 detect, evict / restart and finish, runs a second, fault-free job of the same model under another
 optimizer for the compare page, then drives Debian's Chromium through every view and saves a PNG of
-each. Takes 5-10 minutes on this 2-core machine. Needs root-free Ray, chromium and chromium-driver
+each. Takes 5-10 minutes on this 2-core machine. ``--live`` instead runs the demo under ``recovery.policy:
+live`` with rank 1 killed mid-run and saves its Incidents tab (the recovery's phases) as
+``job-incidents-live.png`` (2-4 minutes). Needs root-free Ray, chromium and chromium-driver
 (``make browser``) and selenium (the test extras).
 """
 
@@ -21,10 +23,10 @@ import time
 from pathlib import Path
 
 from ops.cli.jobs import demo_job_spec
-from controller.client import VigilClient
 from ops.localcluster import start_local_cluster
-from controller.probe import free_port
-from controller.schemas import FaultCreate, FaultKind, JobCreate
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import free_port
+from vigil.contract.schemas import FaultCreate, FaultKind, JobCreate
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -70,13 +72,42 @@ def _shot(driver, path: Path, settle_s: float = 3.0, height: int | None = None) 
     print(f"saved {path}", flush=True)
 
 
+def live_shot(out: Path, steps: int) -> None:
+    """The demo under ``recovery.policy: live`` (3 replicas, a quorum of 2), rank 1 killed at step 60: its
+    replacement heals from a peer while the others train on; the Incidents tab shows the phases."""
+    home = Path(tempfile.mkdtemp(prefix="vigil-shots-"))
+    cluster = start_local_cluster(home, nodes=3, cpus_per_node=2, port=free_port())
+    try:
+        with VigilClient(cluster.controller_url, token=cluster.admin_token, timeout=30) as client:
+            spec = _spec(steps, "demo-gpt-live", {"kind": "adamw"}).model_dump(mode="json")
+            spec["recovery"] = {"policy": "live"}
+            spec["scaling"]["min_workers"] = 2
+            job = client.submit_job(JobCreate.model_validate(spec))
+            client.inject_fault(job.id, FaultCreate(kind=FaultKind.KILL_RANK, rank=1, step=60))
+            print(f"{job.id} {_wait_done(client, job.id, 900)}", flush=True)
+        driver = _browser()
+        try:
+            driver.get(f"{cluster.controller_url}/dashboard/jobs/{job.id}")
+            time.sleep(2.0)
+            driver.find_element("id", "job-detail-tab-incidents").click()
+            _shot(driver, out / "job-incidents-live.png")
+        finally:
+            driver.quit()
+    finally:
+        cluster.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "img"))
     ap.add_argument("--steps", type=int, default=360)
+    ap.add_argument("--live", action="store_true", help="Only the live recovery's Incidents tab.")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.live:
+        live_shot(out, args.steps)
+        return 0
     home = Path(tempfile.mkdtemp(prefix="vigil-shots-"))
     cluster = start_local_cluster(home, nodes=3, cpus_per_node=2, port=free_port())
     try:

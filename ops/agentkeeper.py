@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from agent.commands.raylet import of_cluster
-from controller.background import BackgroundLoop
+from vigil.contract.background import BackgroundLoop
 
 if TYPE_CHECKING:
     from ops.processes import ProcessGroup

@@ -8,9 +8,9 @@ from a2wsgi import WSGIMiddleware
 from fastapi import FastAPI
 
 from controller.auth import mint_internal_token
-from controller.schemas import Role
-from controller.settings import Settings
 from dashboard.app import MOUNT_PREFIX, create_dash_app
+from vigil.contract.schemas import Role
+from vigil.contract.settings import Settings
 
 
 def mount_dashboard(app: FastAPI, settings: Settings) -> str:

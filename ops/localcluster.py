@@ -28,14 +28,14 @@ from typing import Self
 
 import httpx
 
-from controller.checkpoint_layout import is_uri
-from controller.probe import free_port, wait_for
 from controller.rankuser import Isolation, isolate
-from controller.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
 from ops.agentkeeper import AgentKeeper, raylet_running
 from ops.netns import LinkSpec, NetnsCluster
 from ops.netns import cleanup_stale as cleanup_stale_netns
 from ops.processes import Child, ProcessGroup, clean_stale, kill_session  # noqa: F401 - re-exported
+from vigil.contract.checkpoint_layout import is_uri
+from vigil.contract.probe import free_port, wait_for
+from vigil.contract.settings import SECRET_ENVS, Settings, agent_socket_path, child_env
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,16 @@ Layout of one run (``run_id``: 6 hex digits, so that concurrent runs never share
 Every run gets its own /24 out of 198.18.0.0/15 (RFC 2544's range for network benchmarks: never
 routed), chosen under a lock among the subnets no interface of the root namespace uses yet.
 
-Link shaping (:func:`controller.link.apply_shape`) happens inside the node's namespace, so the node's
+Link shaping (:func:`vigil.contract.link.apply_shape`) happens inside the node's namespace, so the node's
 agent (which runs there) can change it for network faults and restore it with the same function
-(what the shaping is: :mod:`controller.link`).
+(what the shaping is: :mod:`vigil.contract.link`).
 
 Everything a run creates is listed in a state file before
 it is created (``<home>/run/netns.json`` and a machine-wide copy under ``/run/vigil-netns``), so
 :func:`cleanup_stale` removes what a crashed run left, and only that.
 
 Needs root, Linux, ``ip`` and ``tc`` (iproute2); :func:`unavailable_reason` says what is missing.
-An operator tool (``vigil up --netns``, the benches and tests); the agent needs only :mod:`controller.link`.
+An operator tool (``vigil up --netns``, the benches and tests); the agent needs only :mod:`vigil.contract.link`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from controller.link import (
+from vigil.contract.link import (
     IFACE,
     NS_PREFIX,
     LinkSpec,

@@ -6,8 +6,8 @@ from datetime import datetime
 from typing import Any
 
 from controller.db import session_scope
-from controller.schemas import Role, TokenCreate
 from controller.tokens import create_token
+from vigil.contract.schemas import Role, TokenCreate
 
 
 def issue_token(app: Any, role: Role | str, *, job_id: str | None = None, expires_at: datetime | None = None,

@@ -1,7 +1,7 @@
 """The REAL controller, live over HTTP, for tests of the parts that talk to it (dashboard, agent).
 
-:class:`LiveController` is ``controller.app.create_app()`` (SQLite in a test folder, migrations,
-auth on) served by uvicorn in a thread on 127.0.0.1. Only the Ray seam is faked (``FakeLauncher``
+:class:`LiveController` is the controller of :func:`tests.harness.build_app` (SQLite in a test folder,
+migrations, auth on) served by uvicorn in a thread on 127.0.0.1. Only the Ray seam is faked (``FakeLauncher``
 of :mod:`tests.controller.fakes`: jobs are "launched" into it and their status set by hand), since
 that is not what these tests claim to cover. The background loops are off: the tests run the
 supervisor and the monitor one pass at a time (:meth:`LiveController.set_job_status`,
@@ -20,7 +20,6 @@ a writable folder. No Ray.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,12 +30,15 @@ from typing import Any, Self
 import uvicorn
 from sqlalchemy import func, select
 
-from controller.client import VigilClient
 from controller.db import session_scope
 from controller.launcher import LaunchStatus
 from controller.models import Node, NodeCommandRow, TelemetryBatchSeen
-from controller.probe import LOOPBACK, wait_for
-from controller.schemas import (
+from tests.auth import issue_token
+from tests.controller.fakes import FakeLauncher
+from tests.harness import bind, build_app
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import LOOPBACK, wait_for
+from vigil.contract.schemas import (
     EventPublic,
     FaultCreate,
     FaultKind,
@@ -52,9 +54,7 @@ from controller.schemas import (
     TelemetryAck,
     TelemetryBatch,
 )
-from controller.settings import Settings
-from tests.auth import issue_token
-from tests.controller.fakes import FakeLauncher
+from vigil.contract.settings import Settings
 
 __all__ = ["CommandRow", "LiveController", "step_sample"]
 
@@ -86,7 +86,7 @@ def step_sample(job_id: str, rank: int, step: int, **fields: Any) -> StepSample:
 class LiveController:
     """The real controller app in a uvicorn thread, on SQLite in ``home``. ``stop()``/``start()`` keep the port.
 
-    ``settings``: more :class:`~controller.settings.Settings` fields (``controller_url`` is always
+    ``settings``: more :class:`~vigil.contract.settings.Settings` fields (``controller_url`` is always
     the server's own URL). ``mount_dashboard``: the controller mounts its dashboard itself, as ``vigil controller`` does
     (:func:`ops.dashboard_mount.mount_dashboard`).
     ``extend(app, url)`` runs on every app built, before it serves (the dashboard tests mount the
@@ -124,15 +124,11 @@ class LiveController:
 
     def start(self, timeout: float = 60.0) -> Self:
         """Build a new app on the database and serve it (on the same port after a ``stop()``)."""
-        from controller.app import create_app
-        from ops.dashboard_mount import mount_dashboard
-
         assert self._server is None, "already serving"
-        sock = self._bind()
+        sock = bind(self.port)
         self.port = sock.getsockname()[1]
         settings = Settings(home=self.home, controller_url=self.url, **self._settings)
-        mounts = [mount_dashboard] if self._mount_dashboard else []
-        app = create_app(settings, self.launcher, background=False, mounts=mounts)
+        app = build_app(settings, launcher=self.launcher, dashboard=self._mount_dashboard)
         if self._extend is not None:
             self._extend(app, self.url)
         config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
@@ -151,21 +147,6 @@ class LiveController:
         assert server.started, "controller did not start"
         self.app, self._server, self._thread = app, server, thread
         return self
-
-    def _bind(self) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # The port of a stopped server is ours again at once (SO_REUSEADDR); retry briefly anyway.
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                sock.bind((LOOPBACK, self.port))
-                return sock
-            except OSError:
-                if self.port == 0 or time.monotonic() > deadline:
-                    sock.close()
-                    raise
-                time.sleep(0.1)
 
     def stop(self, timeout: float = 30.0) -> None:
         """The controller goes away: listening socket and open connections closed."""
@@ -333,6 +314,6 @@ class LiveController:
 def checkpoint_path(app: Any, job_id: str, step: int) -> str:
     """Where job ``job_id``'s checkpoint of ``step`` lives in the storage of the controller ``app`` (the only
     place its checkpoint records are accepted from: controller/telemetry_guard.py)."""
-    from controller.checkpoint_layout import job_checkpoint_root
+    from vigil.contract.checkpoint_layout import job_checkpoint_root
 
     return str(job_checkpoint_root(app.state.telemetry_guard.storage, job_id) / f"step-{step}")

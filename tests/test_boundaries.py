@@ -1,15 +1,15 @@
-"""Package boundaries of DESIGN.md, the whole layering:
+"""Package boundaries of docs/ARCHITECTURE.md, the whole layering (arrows point down only):
 
     operator tools (ops/: cli, localcluster, processes, agentkeeper, netns, bench; and vigil/bench):
     may compose anything, and nothing imports them
-    server (controller/ outside the contract)   agent   vigil (the rank runtime and API)   dashboard   examples
-    the contract (CONTRACT below): standard library, pydantic, httpx; nothing of the packages above
+    server (controller/)   agent   vigil (the rank runtime and API)   dashboard   examples
+    the contract (vigil/contract/): standard library, pydantic, httpx, msgspec; nothing of the above
 
-Agent and dashboard import neither torch nor ray; the server never imports the trainer, the agent or
-the dashboard nor the operator tools (``vigil controller`` mounts the dashboard: ops/); agent,
-trainer, dashboard and examples take from controller/ only the contract; the trainer never imports
-the examples (they are user code on its API). Checked twice: statically over the sources, and in a
-fresh interpreter.
+Agent and dashboard import neither torch nor ray, nor each other, nor the server; the server never
+imports the rank runtime, the agent or the dashboard nor the operator tools (``vigil controller``
+mounts the dashboard: ops/); every package takes from ``vigil`` only the contract, except the rank
+runtime itself and the examples (user code on its API). Checked twice: statically over the sources,
+and in a fresh interpreter; each rule is also shown to fail on a planted violation.
 """
 
 from __future__ import annotations
@@ -23,33 +23,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FORBIDDEN = {
-    "agent": {"torch", "ray", "vigil", "dashboard", "ops"},
-    "dashboard": {"torch", "ray", "vigil", "agent", "ops"},
-    "controller": {"vigil", "examples", "ops", "dashboard", "agent"},
-    # The trainer is a library the examples use, never the other way round (no private path).
-    "vigil": {"examples", "agent", "dashboard", "ops"},
-    "trainer": {"ops"},
+CONTRACT = "vigil.contract"
+"""The one package every layer may import: wire models, the typed client, settings and the shared paths,
+optimizer params, the checkpoint layout, waiting, background loops, link shaping."""
+SERVER_LIBS = {"torch", "ray", "sqlalchemy", "fastapi", "alembic"}
+RULES: dict[str, set[str]] = {
+    # package (a folder, or vigil.contract): what it must not import; ``vigil`` means the rank runtime and
+    # API, i.e. all of ``vigil`` but the contract
+    "agent": {"torch", "ray", "vigil", "controller", "dashboard", "ops", "examples", "trainer"},
+    "dashboard": {"torch", "ray", "vigil", "controller", "agent", "ops", "examples", "trainer"},
+    "controller": {"vigil", "examples", "ops", "dashboard", "agent", "trainer"},
+    "vigil": {"controller", "examples", "agent", "dashboard", "ops", "trainer"},
+    "trainer": {"controller", "agent", "dashboard", "ops", "examples"},
     # Examples are written as a user writes them: the rank API and the contract, nothing internal.
-    "examples": {"agent", "dashboard", "ray", "ops"},
+    "examples": {"controller", "agent", "dashboard", "ray", "ops", "trainer"},
+    CONTRACT: {"vigil", "controller", "agent", "dashboard", "ops", "examples", "trainer", *SERVER_LIBS},
 }
 EXEMPT = ("vigil/bench/", "examples/ray_train_unchanged/")
 """Benchmarks are operator tools that compose the packages (they run the examples); the Ray Train example
 is code written for Ray Train, which imports ``ray`` as its users do."""
 
 
-CONTRACT = frozenset({
-    "controller.schemas", "controller.client", "controller.settings", "controller.optimizer_params",
-    "controller.checkpoint_layout", "controller.probe", "controller.background", "controller.link",
-})
-"""What every package may import from controller/: wire models, the typed client, settings and the
-shared paths, optimizer params, the checkpoint layout, waiting, background loops, link shaping."""
-OPERATOR = ("ops/", "vigil/bench/")
-"""Composition roots: they start and wire the packages together."""
-
-
 def _modules(path: Path) -> set[str]:
-    """Full names of the modules ``path`` imports (``from ops import netns``: ops.netns)."""
+    """Full names of the modules ``path`` imports, anywhere in it (``from ops import netns``: ops.netns;
+    relative imports are inside their own package and so never cross a boundary)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -63,96 +60,102 @@ def _modules(path: Path) -> set[str]:
     return out
 
 
-def _imports(path: Path) -> set[str]:
-    return {m.split(".")[0] for m in _modules(path)}
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
-def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+def _breaks(module: str, forbidden: set[str]) -> bool:
+    """Whether importing ``module`` crosses a rule: its top name is forbidden, the contract excepted."""
+    return module.split(".")[0] in forbidden and not _in(module, CONTRACT)
+
+
+def _package_files(root: Path, package: str) -> list[Path]:
+    base = root / package.replace(".", "/")
+    return sorted(p for p in base.rglob("*.py") if not str(p.relative_to(root)).startswith(EXEMPT))
+
+
+def _violations(root: Path, package: str, forbidden: set[str]) -> dict[str, list[str]]:
+    """``path -> [modules]`` of each file of ``package`` importing what ``forbidden`` names."""
+    if package == CONTRACT:  # the contract: nothing first-party but itself, not even the rest of vigil
+        bad_of = lambda p: {m for m in _modules(p) if m.split(".")[0] in forbidden and not _in(m, CONTRACT)}
+    else:
+        bad_of = lambda p: {m for m in _modules(p) if _breaks(m, forbidden)}
+    return {str(p.relative_to(root)): sorted(bad) for p in _package_files(root, package) if (bad := bad_of(p))}
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_sources_respect_boundaries(package: str) -> None:
+    assert (ROOT / package.replace(".", "/")).is_dir(), f"package {package} not found"
+    offenders = _violations(ROOT, package, RULES[package])
+    assert offenders == {}, f"{package} imports what it must not: {offenders}"
+
+
+@pytest.mark.parametrize(("package", "planted", "caught"), [
+    ("agent", "from vigil.sdk import init\n", ["vigil.sdk"]),
+    ("agent", "import torch\n", ["torch"]),
+    ("agent", "def f():\n    from controller import models\n", ["controller.models"]),
+    ("dashboard", "from agent.main import main\n", ["agent.main"]),
+    ("dashboard", "import vigil\n", ["vigil"]),
+    ("controller", "from vigil import runner\n", ["vigil.runner"]),
+    ("controller", "from ops.cli import main\n", ["ops.cli"]),
+    ("controller", "import dashboard.app\n", ["dashboard.app"]),
+    ("vigil", "from controller.models import Job\n", ["controller.models"]),
+    ("examples", "import ray\n", ["ray"]),
+    (CONTRACT, "from vigil.sdk import init\n", ["vigil.sdk"]),
+    (CONTRACT, "import sqlalchemy\n", ["sqlalchemy"]),
+    (CONTRACT, "from controller import models\n", ["controller.models"]),
+])
+def test_each_import_rule_fails_on_a_planted_violation(tmp_path: Path, package: str, planted: str,
+                                                      caught: list[str]) -> None:
+    folder = tmp_path / package.replace(".", "/")
+    folder.mkdir(parents=True)
+    (folder / "ok.py").write_text("import os\nfrom vigil.contract.schemas import JobSpec\n")
+    assert _violations(tmp_path, package, RULES[package]) == {}
+    (folder / "planted.py").write_text(planted)
+    rel = str((folder / "planted.py").relative_to(tmp_path))
+    assert _violations(tmp_path, package, RULES[package]) == {rel: caught}
+
+
+RUNTIME = [
+    ("agent.main", ["torch", "ray", "vigil", "controller", "dashboard"]),
+    ("dashboard.app", ["torch", "ray", "vigil", "controller", "agent"]),
+    ("controller.app", ["vigil", "ops", "agent", "dashboard", "dash", "torch"]),
+    ("ops.cli", ["vigil", "torch", "ray"]),
+    ("vigil.contract.client", ["vigil", "controller", "agent", "dashboard", "ops", *SERVER_LIBS]),
+]
+_RUNTIME_CHECK = """import importlib, sys
+importlib.import_module({module!r})
+forbidden, contract = {forbidden!r}, {contract!r}
+bad = sorted(m for m in sys.modules if m.split(".")[0] in forbidden
+             and m != "vigil" and m != contract and not m.startswith(contract + "."))
+print(bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+def _runtime_check(module: str, forbidden: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    code = _RUNTIME_CHECK.format(module=module, forbidden=forbidden, contract=CONTRACT)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+@pytest.mark.parametrize(("module", "forbidden"), RUNTIME)
+def test_runtime_imports_respect_boundaries(module: str, forbidden: list[str]) -> None:
+    """In a fresh interpreter: the ``vigil`` package itself loads (the contract is inside it) but nothing
+    of it beyond the contract (``vigil/__init__.py`` loads the rank API only on first use)."""
+    r = _runtime_check(module, forbidden, ROOT)
+    assert r.returncode == 0, f"importing {module} pulled in {r.stdout.strip()} {r.stderr[-2000:]}"
+
+
+def test_the_runtime_check_fails_on_a_planted_import(tmp_path: Path) -> None:
+    (tmp_path / "planted_mod.py").write_text("import vigil.contract.schemas\nimport vigil.launch_context\n")
+    r = _runtime_check("planted_mod", ["vigil"], tmp_path)
+    assert r.returncode == 1 and "'vigil.launch_context'" in r.stdout, r.stdout + r.stderr
+    assert "vigil.contract" not in r.stdout, r.stdout
 
 
 def _sources(*packages: str) -> list[Path]:
     return [p for pkg in packages for p in (ROOT / pkg).rglob("*.py")]
-
-
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_sources_respect_boundaries(package: str) -> None:
-    offenders = {
-        str(p.relative_to(ROOT)): sorted(_imports(p) & FORBIDDEN[package])
-        for p in (ROOT / package).rglob("*.py")
-        if _imports(p) & FORBIDDEN[package] and not str(p.relative_to(ROOT)).startswith(EXEMPT)
-    }
-    assert offenders == {}, f"{package} imports what it must not: {offenders}"
-
-
-def _from_controller(path: Path) -> set[str]:
-    return {m for m in _modules(path) if m.startswith("controller.") or m == "controller"}
-
-
-def _in_contract(module: str) -> bool:
-    """``controller.schemas`` is a package: its modules are the contract too."""
-    return any(module == c or module.startswith(c + ".") for c in CONTRACT)
-
-
-def _contract_files() -> dict[str, list[Path]]:
-    out = {}
-    for name in CONTRACT:
-        base = ROOT / name.replace(".", "/")
-        out[name] = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
-    return out
-
-
-def test_packages_take_only_the_contract_from_the_controller() -> None:
-    offenders = {
-        _rel(p): sorted(bad) for p in _sources("agent", "vigil", "dashboard", "examples")
-        if not _rel(p).startswith(OPERATOR) and (bad := {m for m in _from_controller(p) if not _in_contract(m)})
-    }
-    assert offenders == {}, f"imports of the controller's inside (not the contract): {offenders}"
-
-
-def test_the_contract_stands_alone() -> None:
-    offenders = {}
-    for name, paths in _contract_files().items():
-        assert paths and all(p.is_file() for p in paths), f"contract module {name} not found"
-        for path in paths:
-            bad = {m for m in _from_controller(path) if not _in_contract(m)}
-            bad |= _imports(path) & {"agent", "vigil", "dashboard", "torch", "ray", "sqlalchemy", "fastapi"}
-            if bad:
-                offenders[_rel(path)] = sorted(bad)
-    assert offenders == {}, f"the contract imports more than itself: {offenders}"
-
-
-def test_the_server_imports_no_operator_tool_and_no_other_package() -> None:
-    operator_modules = {"ops"}
-    offenders = {}
-    for p in _sources("controller"):
-        rel = _rel(p)
-        if rel.startswith(OPERATOR):
-            continue
-        bad = {m for m in _modules(p) if m.split(".")[0] in {"agent", "vigil", "examples", "dashboard"}
-               or any(m == o or m.startswith(o + ".") for o in operator_modules)}
-        if bad:
-            offenders[rel] = sorted(bad)
-    assert offenders == {}, f"the server reaches up or sideways: {offenders}"
-
-
-@pytest.mark.parametrize(
-    ("modules", "forbidden"),
-    [
-        (["agent.main"], ["torch", "ray", "vigil"]),
-        (["dashboard.app"], ["torch", "ray", "vigil"]),
-        (["controller.app"], ["vigil", "ops", "agent", "dashboard", "dash"]),
-        (["ops.cli"], ["vigil"]),
-    ],
-)
-def test_runtime_imports_respect_boundaries(modules: list[str], forbidden: list[str]) -> None:
-    code = (
-        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
-        f"bad = [m for m in {forbidden!r} if m in sys.modules]\nprint(bad)\nsys.exit(1 if bad else 0)\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       check=False)
-    assert r.returncode == 0, f"importing {modules} pulled in {r.stdout.strip()} {r.stderr[-2000:]}"
 
 
 def _module_name(path: Path) -> str:
@@ -428,3 +431,40 @@ def test_the_test_import_check_finds_each_form_of_one_test_module_importing_anot
         "tests/a/test_two.py:2 tests.a.test_one",
         "tests/b/test_six.py:1 tests.a.test_one",
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# One way to stand up the controller in tests: tests/harness.py
+# --------------------------------------------------------------------------------------------------
+
+HARNESS = "tests/harness.py"
+
+
+def _controllers_built_outside_the_harness(root: Path, folder: str = "tests") -> list[str]:
+    """``path:line`` of each import of ``controller.app``'s ``create_app`` in a test file other than the
+    harness (in functions too): a test builds its controller with :func:`tests.harness.build_app`."""
+    out = []
+    for path in sorted((root / folder).rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if rel == HARNESS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "controller.app" and any(
+                    a.name == "create_app" for a in node.names) or isinstance(node, ast.Import) and any(a.name == "controller.app" for a in node.names):
+                out.append(f"{rel}:{node.lineno}")
+    return out
+
+
+def test_tests_build_the_controller_only_through_the_harness() -> None:
+    found = _controllers_built_outside_the_harness(ROOT)
+    assert found == [], "controller apps built outside tests/harness.py (use build_app):\n" + "\n".join(found)
+
+
+def test_the_harness_check_finds_a_controller_built_elsewhere(tmp_path: Path) -> None:
+    _fake_tree(tmp_path, {
+        HARNESS: "from controller.app import create_app\n",
+        "tests/a/test_ok.py": "from controller.app import job_env\nfrom dashboard.app import create_app\n",
+        "tests/a/test_direct.py": "def f():\n    from controller.app import Mount, create_app\n",
+        "tests/b/helpers.py": "import controller.app\n",
+    })
+    assert _controllers_built_outside_the_harness(tmp_path) == ["tests/a/test_direct.py:2", "tests/b/helpers.py:1"]

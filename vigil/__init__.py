@@ -13,7 +13,7 @@
         vigil.checkpoint(step, model=model, optimizer=opt)
 
 The rank API (:mod:`vigil.sdk`: ``init``, ``optimizer``, ``step``, ``report``, ``checkpoint``,
-``restore``, ...) and :class:`Client` (the controller's REST API, :mod:`controller.client`) load on first
+``restore``, ...) and :class:`Client` (the controller's REST API, :mod:`vigil.contract.client`) load on first
 use, so ``import vigil`` itself imports neither torch nor httpx. The rest of the package is Vigil's rank
 runtime (driver, runner, communication layer, optimizers, checkpoints, telemetry): one top-level name
 that a project's own ``trainer.py``, ``model.py`` or ``data.py`` cannot shadow.
@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
     if name in _SDK:
         return getattr(importlib.import_module("vigil.sdk"), name)
     if name in _CLIENT:
-        return getattr(importlib.import_module("controller.client"), _CLIENT[name])
+        return getattr(importlib.import_module("vigil.contract.client"), _CLIENT[name])
     raise AttributeError(f"module 'vigil' has no attribute {name!r}")
 
 

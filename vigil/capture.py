@@ -20,7 +20,7 @@ minus the fastest rank's, :mod:`controller.step_stats`) is the arrival skew, exa
 because every rank leaves a collective at about the same moment.
 
 Bytes: the op and sizes give the payload; wire bytes follow the ring algorithm (as :mod:`vigil.comm`);
-these records carry :data:`controller.schemas.CAPTURED_TAG`, so the API and the dashboard mark their
+these records carry :data:`vigil.contract.schemas.CAPTURED_TAG`, so the API and the dashboard mark their
 bytes as estimated.
 
 Cost: a dump of the recorder costs about 10 us per entry it *holds*, new or not (measured on this
@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.schemas import CAPTURED_TAG, StepSample
 from vigil.comm import CollectiveRecord
+from vigil.contract.schemas import CAPTURED_TAG, StepSample
 
 log = logging.getLogger(__name__)
 

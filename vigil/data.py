@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from controller.schemas import DataSpec
-from controller.settings import ENV_HOME
+from vigil.contract.schemas import DataSpec
+from vigil.contract.settings import ENV_HOME
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,15 @@ Ray 2.60, is picked up by ``ray.init`` itself). Inputs, in order of precedence:
 The Ray Train run is named ``vigil-<slug(job id)>``: a resubmitted job with the same id resumes
 from the newest valid checkpoint of its root (or the one Ray Train recorded, when newer).
 
-Recovery settings handed to Ray Train: ``recovery.max_restarts`` is ``FailureConfig.max_failures``
-(preemptions, i.e. Vigil's own evictions, are counted apart by Ray Train and not limited here: the
-controller bounds restarts without progress). Ray Train counts every failure of a run, progress or
-not, so a long job hit by more faults than that, days apart, would fail; the driver therefore starts
-a fresh Ray Train run (from the newest valid checkpoint) when a run fails *after* its newest valid
-checkpoint moved forward, and gives up only when a run's ``max_restarts`` restarts made no progress
-(:func:`fit_while_progressing`). The environment gets, unless already set,
+Recovery settings handed to Ray Train: ``recovery.max_restarts`` and "progress" mean what
+:mod:`vigil.contract.restarts` says (its one definition; the controller applies the same one). The driver
+hands the number to Ray Train unchanged, as ``FailureConfig.max_failures`` (preemptions, i.e. Vigil's own
+evictions, are counted apart by Ray Train and not limited here: the controller bounds restarts without
+progress). Ray Train counts every failure of a run, progress or not, so a long job hit by more faults than
+that, days apart, would fail; the driver therefore starts a fresh Ray Train run (from the newest valid
+checkpoint) when a run fails *after* its newest valid checkpoint moved forward (progress:
+:func:`vigil.contract.restarts.progressed`), and gives up only when a run's ``max_restarts`` restarts made no
+progress (:func:`fit_while_progressing`). The environment gets, unless already set,
 ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=15`` (Ray's default of 60 s is mostly spent waiting for
 workers that an eviction made impossible before the group restarts smaller) and
 ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S=1`` (how soon ranks learn of a drain; Ray's default is 5 s);
@@ -46,9 +48,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from controller.checkpoint_layout import Location, as_location, join
-from controller.schemas import JobCreate, RecoveryPolicy, slugify
-from controller.settings import ENV_JOB_ID, ENV_JOB_SPEC, ENV_RUN_DIR, storage_from_env
+from vigil.contract.checkpoint_layout import Location, as_location, join
+from vigil.contract.restarts import RestartBudget, progressed
+from vigil.contract.schemas import JobCreate, RecoveryPolicy, slugify
+from vigil.contract.settings import ENV_JOB_ID, ENV_JOB_SPEC, ENV_RUN_DIR, storage_from_env
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +172,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
     num_workers: int | tuple[int, int] = (
         (sc.min_workers, sc.max_workers) if sc.min_workers != sc.max_workers else sc.max_workers
     )
+    budget = RestartBudget(cfg.spec.recovery.max_restarts)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=rank_config(cfg),
@@ -179,7 +183,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
         run_config=RunConfig(
             name=run_name(cfg.job_id),
             storage_path=cfg.storage_path,
-            failure_config=FailureConfig(max_failures=cfg.spec.recovery.max_restarts),
+            failure_config=FailureConfig(max_failures=budget.ray_train_max_failures),  # the same number
             # Ray keeps pointers only (vigil.checkpointing); Vigil's own retention keeps the data.
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.spec.checkpoint.keep_last),
             # Ranks are single-threaded by design (many ranks share a machine's cores).
@@ -213,7 +217,7 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
     root = job_root(cfg.storage_path, cfg.job_id)
     run_folder = join(as_location(cfg.storage_path), run_name(cfg.job_id))
     result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root, run_folder),
-                                   cfg.job_id, again=cfg.spec.recovery.max_restarts > 0)
+                                   cfg.job_id, again=RestartBudget(cfg.spec.recovery.max_restarts).reruns)
     metrics = dict(result.metrics or {})
     # Ray's checkpoint is a pointer (vigil.checkpointing): name the checkpoint folder itself.
     metrics["checkpoint"] = metrics.get("checkpoint_path") or (
@@ -242,8 +246,9 @@ def fit_while_progressing(fit: Callable[[], Any], progress: Callable[[], int], j
                           again: bool = True) -> Any:
     """``fit()`` (one Ray Train run, with its own failure budget) until it succeeds; after a failed
     run, again from the newest valid checkpoint if that moved forward during the run (``progress()``,
-    a step), else re-raise: its restarts made no progress. ``again=False`` (``max_restarts: 0``, no
-    restarts asked for): the first failure is final."""
+    a step; :func:`~vigil.contract.restarts.progressed`), else re-raise: its restarts made no progress.
+    ``again=False`` (``max_restarts: 0``, no restarts asked for: ``RestartBudget.reruns``): the first failure
+    is final."""
     runs = 0
     while True:
         start = progress() if again else 0
@@ -252,7 +257,7 @@ def fit_while_progressing(fit: Callable[[], Any], progress: Callable[[], int], j
             return fit()
         except Exception as e:
             reached = progress() if again else 0
-            if reached <= start:
+            if not progressed(start, reached):
                 raise
             log.warning("job %s: Ray Train run %d failed (%s) after progress (checkpoint step %d -> %d): "
                         "starting a fresh run from step %d", job_id, runs, type(e).__name__, start, reached,

@@ -1,6 +1,6 @@
 """In-rank fault injection: a one-shot fault file each rank looks at once per step.
 
-The file is ``<run_dir>/faults/<slug(job id)>/rank-<rank>.json`` (:func:`controller.settings.fault_file_path`; the agent of
+The file is ``<run_dir>/faults/<slug(job id)>/rank-<rank>.json`` (:func:`vigil.contract.settings.fault_file_path`; the agent of
 the rank's node writes it when the controller fires a fault), holding one JSON object::
 
     {"kind": "nan_loss", "step": 120, "fault_id": 7}
@@ -21,7 +21,7 @@ after a rollback to a checkpoint taken before ``step`` the fault does not fire a
 rename fails it does not fire at all). Cost per step: one ``os.stat`` that fails with ENOENT; the
 file is read only when its (inode, size, mtime) changes. Never blocks, never raises into the loop.
 
-Torch-free on purpose; the file's path and suffix are the contract's (:mod:`controller.settings`).
+Torch-free on purpose; the file's path and suffix are the contract's (:mod:`vigil.contract.settings`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.settings import FAULT_FIRED_SUFFIX
+from vigil.contract.settings import FAULT_FIRED_SUFFIX
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.schemas import TRAINING_THREAD
+from vigil.contract.schemas import TRAINING_THREAD
 from vigil.launch_context import CONTEXT_ENV, launched
 
 log = logging.getLogger(__name__)

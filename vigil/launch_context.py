@@ -42,8 +42,8 @@ def context_from_env(ctx: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """``(RankContext, JobCreate, config)`` of a launched rank; makes the process group if needed."""
     import torch.distributed as dist
 
-    from controller.checkpoint_layout import as_location
-    from controller.schemas import JobCreate
+    from vigil.contract.checkpoint_layout import as_location
+    from vigil.contract.schemas import JobCreate
     from vigil.rank.context import RankContext
     from vigil.telemetry import RankTelemetry
 

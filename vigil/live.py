@@ -18,7 +18,7 @@ the newest disk checkpoint on a new one. Under ``live`` each rank is a torchft r
   newest valid one.
 
 Which optimizers can be live: those whose cross-replica traffic is all-reduce
-(:data:`controller.schemas.LIVE_OPTIMIZERS`); sharded state (SDP4Bit, compressed Adam, the sharded
+(:data:`vigil.contract.schemas.LIVE_OPTIMIZERS`); sharded state (SDP4Bit, compressed Adam, the sharded
 outer state of DSM / SlowMo) cannot be healed from one peer and keeps the restart path.
 
 Bounds (docs/RECOVERY.md): a dead peer is noticed when its collective fails (at once for a killed
@@ -44,8 +44,10 @@ from vigil.comm import Comm
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_MS = 2000
-"""Lighthouse: a replica silent this long is out of the next quorum (managers beat every 100 ms)."""
+HEARTBEAT_TIMEOUT_MS = 1000
+"""Lighthouse: a replica silent this long is out of the next quorum (managers beat every 100 ms, from a thread
+of their own: ten beats missed). A dead replica holds the survivors' next quorum this long: with a kill every
+60 s, 2 s of it kept ETTR at 0.973 (docs/BENCHMARKS.md)."""
 JOIN_TIMEOUT_MS = 5000
 """Lighthouse: how long a quorum waits for a replica that beats but did not ask (a slow one; a hung one,
 once: a quorum without it is not waited on again). Shorter leaves replicas out of quorums on a busy machine."""
@@ -62,6 +64,9 @@ RETRY_PAUSE_S = 0.5
 """Pause between a replacement's quorum requests while it waits for a peer."""
 RETRIES = 4
 """Times a failed collective is run again in a new quorum before the step fails (and the replica restarts)."""
+SEQ_PER_STEP = 1 << 20
+"""A live all-reduce's number in the watcher's reports: step x this + its place in the step (the same on every
+replica; torchft's own process groups are new at each quorum, their numbers are not comparable)."""
 KEY_LIVE = "vigil_live"
 KEY_ATTEMPT = "attempt"
 
@@ -107,11 +112,32 @@ class LiveComm(Comm):
         self.manager = manager
         self.reforms = 0
         """Quorums formed again inside a step because a collective failed."""
+        self._calls = 0  # all-reduces entered in this step
+        self._entered = self._done = -1
+        self._inside: tuple[int, float] | None = None  # (seq, wall time entered)
+        self._done_at: float | None = None
 
     def set_step(self, step: int) -> None:
         # A heal is recorded under the first step the replica runs (before the step opens): keep its seq.
         if step != self.step:
             super().set_step(step)
+            self._calls = 0
+
+    def progress(self) -> dict[str, Any]:
+        """Where this replica stands in its all-reduces, as :func:`vigil.rank.watch.progress` says it from
+        torch's Flight Recorder (which does not see torchft's process groups): group ``world``, each
+        all-reduce numbered by its step and its place in the step (:data:`SEQ_PER_STEP`), the same on
+        every replica, a healed one included (they run the same steps)."""
+        from vigil.contract.schemas import CollectiveRef, GroupProgress
+
+        inside, entered, done, done_at = self._inside, self._entered, self._done, self._done_at
+        if entered < 0:
+            return {"groups": [], "in_flight": [], "last_done": None}
+        return {"groups": [GroupProgress(group="world", last_enqueued=entered, last_completed=done)],
+                "in_flight": [] if inside is None else [CollectiveRef(group="world", seq=inside[0], op="all_reduce",
+                                                                      enqueued_ts=inside[1])],
+                "last_done": None if done < 0 else CollectiveRef(group="world", seq=done, op="all_reduce",
+                                                                 enqueued_ts=done_at)}
 
     def _participants(self) -> int:
         return max(1, int(self.manager.num_participants()))
@@ -123,11 +149,21 @@ class LiveComm(Comm):
             raise LiveError("live recovery: all-reduce over a sub-group is not supported (replicas are the world)")
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise LiveError(f"live recovery: all-reduce with {op} is not supported (SUM and AVG are)")
+        keep = tensor.detach().clone()
+        seq = self.step * SEQ_PER_STEP + min(self._calls, SEQ_PER_STEP - 1)
+        self._calls += 1
+        self._entered, self._inside = seq, (seq, time.time())
+        try:
+            return self._all_reduce(tensor, op, group_name, tag, elements, keep)
+        finally:
+            self._done, self._done_at, self._inside = seq, time.time(), None
+
+    def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group_name: str, tag: str,
+                    elements: int | None, keep: torch.Tensor) -> torch.Tensor:
         from torch.distributed import ReduceOp
 
-        keep = tensor.detach().clone()
-        t0 = time.perf_counter()
         for attempt in range(RETRIES + 1):
+            t0 = time.perf_counter()  # a failed attempt's wait is its reform's (below), not the all-reduce's
             n = self._participants()
             self.world_size = n
             if n > 1:
@@ -146,11 +182,12 @@ class LiveComm(Comm):
                         str(err.original_exception)[:200])
             self.reforms += 1
             tensor.copy_(keep)
-            t = time.perf_counter()
             mark_failed(self.manager)
             self.manager.start_quorum()  # without the replica that failed: the survivors ask again
+            # From the failed attempt's start: a hang's long wait is not a usual all-reduce's duration (the
+            # controller's yardstick for the next hang, controller.recovery.collective_hang).
             self.record_external("quorum", tag="reform", payload_bytes=0, wire_bytes=0, elements=0,
-                                 duration_s=time.perf_counter() - t)
+                                 duration_s=time.perf_counter() - t0)
         raise LiveError(f"live recovery: all-reduce failed {RETRIES + 1} times in a row")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, group: dist.ProcessGroup | None = None,
@@ -184,7 +221,8 @@ class LiveReplica:
 
     def __init__(self, *, rank: int, world_size: int, min_replicas: int, lighthouse: str, host: str,
                  attempt: int = 1, checkpoint_root: Path | str | None = None, replica_id: str | None = None,
-                 replacement: bool = False, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+                 replacement: bool = False, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                 quorum_every: int = 1, spare: bool = False) -> None:
         quiet_torchft_logs()
         from torch.distributed import TCPStore
         from torchft.manager import Manager
@@ -195,11 +233,19 @@ class LiveReplica:
         self.replacement = replacement
         """Ray started this replica again (its process died): it heals from a live peer, it does not take
         the disk checkpoint while one may be training (see :meth:`restore`)."""
+        self.spare = spare
+        """A warm spare taking over a lost rank (:mod:`vigil.live_replicas`): its heal is tagged ``spare``."""
         self.base_attempt = attempt
         self.attempt = attempt
         """The run attempt this replica's samples carry: the same on every replica (the driver claims it;
         a replacement takes its peers' when it heals; a whole-job restart from disk claims a new one)."""
         self.checkpoint_root = checkpoint_root
+        if quorum_every < 1:
+            raise ValueError(f"quorum_every must be >= 1, got {quorum_every}")
+        self.quorum_every = quorum_every
+        """Steps between quorums while every replica is in (``recovery.quorum_every_steps``); see :meth:`start_step`."""
+        self.quorums = 0
+        """Quorums this replica asked for at a step's start (restore's and reforms' not counted)."""
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)  # this replica group's own
         self._state: dict[str, Callable[[], Any]] = {}
         self._loaders: dict[str, Callable[[Any], None]] = {}
@@ -259,7 +305,7 @@ class LiveReplica:
                 seconds = time.perf_counter() - t
                 self.heals.append({"step": float(step), "seconds": seconds})
                 self.comm.set_step(step + 1)  # the heal shows in the collectives of the first step it runs
-                self.comm.record_external("heal", tag="live", payload_bytes=_state_bytes(self._save()),
+                self.comm.record_external("heal", tag="spare" if self.spare else "live", payload_bytes=_state_bytes(self._save()),
                                           wire_bytes=0, elements=0, duration_s=seconds)
                 log.info("rank %d healed from a live peer at step %d in %.2f s (%d quorum(s))", self.rank, step,
                          seconds, tries)
@@ -294,18 +340,32 @@ class LiveReplica:
     def _claim(self, number: int) -> int:
         """Mark ``number`` claimed under the job's attempts folder (so a later driver claims past it)."""
         if self.checkpoint_root is not None:
-            from controller.checkpoint_layout import attempts_dir, join
             from vigil.checkpointing import storage
+            from vigil.contract.checkpoint_layout import attempts_dir, join
 
             folder = attempts_dir(self.checkpoint_root)
             storage.makedirs(folder)
             storage.claim(join(folder, str(number)))  # False: claimed already (by a peer of this quorum)
         return number
 
+    def quorum_due(self, number: int) -> bool:
+        """Whether step ``number`` opens with a quorum: every :attr:`quorum_every` steps while the last quorum
+        held every replica, and every step while one is missing (a replacement then joins at the next step).
+
+        Every replica of a quorum decides the same way (they are at the same step and saw the same quorum):
+        one asking while another does not would stall the asker until the lighthouse's join timeout. A
+        replica that leaves between quorums is still noticed at once, by the collective that fails
+        (:class:`LiveComm` forms a new quorum there and then)."""
+        if self.quorum_every <= 1 or number % self.quorum_every == 0:
+            return True
+        return int(self.manager.num_participants()) < self.world_size
+
     def start_step(self, number: int) -> None:
-        """The quorum of step ``number`` (restore's, for the first step after it)."""
-        if not self._quorum_ready:
+        """The quorum of step ``number`` when one is due (:meth:`quorum_due`; restore's, for the first step
+        after it)."""
+        if not self._quorum_ready and self.quorum_due(number):
             self.manager.start_quorum()
+            self.quorums += 1
         self._quorum_ready = False
         self.comm.world_size = max(1, int(self.manager.num_participants()))
         reached = int(self.manager.current_step())

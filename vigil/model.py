@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from controller.schemas import ModelSpec
+from vigil.contract.schemas import ModelSpec
 
 VOCAB_SIZE = 256
 """One token per byte value."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.schemas import CheckpointSample
+from vigil.contract.schemas import CheckpointSample
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Vigil's side of every rank under Ray Train: open the rank's session, run the job's entry point, close.
 
-The job's ``entrypoint`` (:func:`controller.schemas.parse_entrypoint`) is either a function
+The job's ``entrypoint`` (:func:`vigil.contract.schemas.parse_entrypoint`) is either a function
 ``package.module:function``, called with the job's ``config`` (Ray Train's ``train_loop_per_worker``
 style), or a script ``python train.py args...``, run as ``__main__`` with those arguments on every
 rank (torchrun style). Either way the user's code reaches Vigil through :mod:`vigil.sdk`: the
@@ -29,9 +29,9 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.checkpoint_layout import Location
-from controller.schemas import TRAINING_THREAD, Entrypoint, JobCreate, parse_entrypoint
-from controller.settings import fault_file_path, storage_from_env
+from vigil.contract.checkpoint_layout import Location
+from vigil.contract.schemas import TRAINING_THREAD, Entrypoint, JobCreate, parse_entrypoint
+from vigil.contract.settings import fault_file_path, storage_from_env
 
 if TYPE_CHECKING:
     from vigil import sdk
@@ -142,7 +142,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 def job_files_dir(root: Location) -> Location:
     """The job's folder for the code's own files (``VIGIL_JOB_DIR``), beside its checkpoint root:
     ``<storage>/<slug>/files`` (a URI under a URI storage)."""
-    from controller.checkpoint_layout import join, parent_of
+    from vigil.contract.checkpoint_layout import join, parent_of
 
     return join(parent_of(root), "files")
 
@@ -162,9 +162,9 @@ def run_rank(config: dict[str, Any], rank: int, world_size: int, *, report: sdk.
     agent socket, fault file, checkpoint root), then the job's entry point in a session."""
     import ray
 
-    from controller.settings import agent_socket_path, get_settings
     from vigil import checkpointing as checkpoint
     from vigil import sdk
+    from vigil.contract.settings import agent_socket_path, get_settings
     from vigil.telemetry import RankTelemetry
 
     spec = JobCreate.model_validate(config["spec"])
@@ -220,8 +220,8 @@ def run_script_rank(config: dict[str, Any], spec: JobCreate, entry: Entrypoint, 
     import ray.train
     import torch.distributed as dist
 
-    from controller.settings import agent_socket_path
     from vigil import launch, sdk
+    from vigil.contract.settings import agent_socket_path
 
     assert entry.script is not None
     tctx = ray.train.get_context()

@@ -63,9 +63,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from controller.checkpoint_layout import as_location
-from controller.schemas import JobCreate
-from controller.settings import ENV_CHECKPOINT_ROOT, ENV_JOB_ID
+from vigil.contract.checkpoint_layout import as_location
+from vigil.contract.schemas import JobCreate
+from vigil.contract.settings import ENV_CHECKPOINT_ROOT, ENV_JOB_ID
 from vigil.launch_context import context_from_env, launched
 from vigil.rank.context import (
     MAX_PREEMPTION_CHECK_STEPS,

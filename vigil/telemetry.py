@@ -1,7 +1,7 @@
 """Rank-side telemetry: step, collective and checkpoint samples sent to the node agent, never blocking training.
 
 Transport: a non-blocking unix datagram socket (``AF_UNIX``/``SOCK_DGRAM``) addressed to the agent's
-socket path (:func:`controller.settings.agent_socket_path`). Datagrams keep message boundaries (no
+socket path (:func:`vigil.contract.settings.agent_socket_path`). Datagrams keep message boundaries (no
 framing) and a send either goes into the kernel queue at once or fails at once: a dead or slow agent
 costs the training step a failed syscall, never a wait.
 
@@ -42,8 +42,8 @@ from typing import Any, Protocol, Self
 
 from pydantic import ValidationError
 
-from controller.schemas import CheckpointSample, CollectiveSample, FaultSample, ProgressSample, StepSample
 from vigil.comm import CollectiveRecord
+from vigil.contract.schemas import CheckpointSample, CollectiveSample, FaultSample, ProgressSample, StepSample
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ def check_job_id(job_id: str) -> str:
 
 
 def finite_or_none(x: float | None) -> float | None:
-    """``x`` when it is a finite number, else None (NaN/inf loss is data for the detectors, not JSON)."""
+    """``x`` when it is a finite number, else None (NaN/inf loss is data for the detectors, not JSON): done
+    once on the rank, by the session (:mod:`vigil.rank.session`), for the values it keeps and sends."""
     if x is None:
         return None
     x = float(x)
@@ -199,6 +200,10 @@ def pack(encoded: Sequence[bytes], limit: int = MAX_DATAGRAM_BYTES) -> tuple[lis
     return datagrams, oversize
 
 
+OFFER_S = 0.5
+"""How long :meth:`RankTelemetry.offer` keeps trying, per call."""
+
+
 class RankTelemetry:
     """Sends a rank's samples to its node agent. Never blocks, never raises into the caller."""
 
@@ -258,21 +263,21 @@ class RankTelemetry:
         """Queue ``samples`` in as few datagrams as fit and send what the agent will take now (these and
         any backlog, oldest first); returns how many samples were delivered by this call.
 
-        The first ``StepSample`` of the list carries the pending drop count.
+        The first ``StepSample`` of the list carries the pending drop count. A sample goes as it was built:
+        a model's non-finite loss is None already; a plain dict holding a non-finite number cannot be
+        encoded (JSON without NaN) and is dropped and counted.
         """
         if not self.enabled:
             return 0
         items: list[dict[str, Any]] = []
         carried = 0
         for s in samples:
+            # A sample's non-finite loss, lr, val_loss became None when it was built (``Observed`` in the schema;
+            # the session did it once already for the values it keeps): nothing to redo here.
             d = dict(s) if isinstance(s, dict) else s.model_dump(mode="json")
-            if d.get("kind") in ("step", "checkpoint"):
-                d["loss"] = finite_or_none(d.get("loss"))
-            if d.get("kind") == "step":
-                d["val_loss"] = finite_or_none(d.get("val_loss"))
-                if not carried and self.dropped:
-                    carried, self.dropped = self.dropped, 0
-                    d["dropped"] = carried
+            if d.get("kind") == "step" and not carried and self.dropped:
+                carried, self.dropped = self.dropped, 0
+                d["dropped"] = carried
             items.append(d)
         encoded: list[bytes] = []
         for d in items:
@@ -334,6 +339,26 @@ class RankTelemetry:
                 self._agent_inode = inode
         self.sent_total += delivered
         return delivered
+
+    def offer(self, for_s: float = OFFER_S) -> int:
+        """Offer the agent what it could not take at once, for up to ``for_s``, the lock held only while
+        sending: the rank's watcher thread, once a second (:mod:`vigil.rank.watch`). A burst (the steps held
+        for their captured collectives) fills a unix datagram queue (``net.unix.max_dgram_qlen``, 10 by
+        default); the rest waits for the next send, which a stall delays: a hang's report queued behind the
+        held steps never reached the controller in CI. Returns the datagrams still unsent."""
+        deadline = time.monotonic() + for_s
+        while self._unsent and self._sock is not None:
+            self.flush()
+            if not self._unsent or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return self._unsent
+
+    @property
+    def unsent(self) -> int:
+        """Datagrams the agent has not taken yet (its socket's queue was full, or it is away): they go with
+        the next send, or :meth:`flush`."""
+        return self._unsent
 
     def _drop(self, n: int) -> None:
         self.dropped += n

@@ -1,6 +1,6 @@
 """Commands from the controller, carried out on this node for real (docs/RECOVERY.md).
 
-The controller queues :class:`~controller.schemas.NodeCommand` s per node; the agent polls
+The controller queues :class:`~vigil.contract.schemas.NodeCommand` s per node; the agent polls
 ``GET /nodes/{node}/commands?status=PENDING`` once per heartbeat interval (and again at once after
 it has done one), carries each one out, in id order, and answers with ``POST .../result``.
 

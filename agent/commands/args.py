@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.commands.errors import CommandError
-from controller.schemas import INT32_MAX
+from vigil.contract.schemas import INT32_MAX
 
 
 class _Args(BaseModel):
@@ -35,6 +35,8 @@ class FaultFileArgs(_Args):
     job_id: str = Field(..., min_length=1, max_length=128)
     rank: int = Field(..., ge=0, le=1_000_000)
     fault: dict[str, Any] = Field(default_factory=dict)
+    file: Literal["fault", "adapt"] = Field("fault", description="fault: the one-shot fault file; adapt: the rank's "
+                                            "adapt file (recovery.policy adapt), which holds every version asked for")
 
 
 class CorruptArgs(_Args):

@@ -6,7 +6,7 @@ Owns :class:`CommandError` (raised anywhere in the package; its text is the answ
 
 from __future__ import annotations
 
-from controller.schemas import TEXT_MAX
+from vigil.contract.schemas import TEXT_MAX
 
 
 class CommandError(Exception):

@@ -38,7 +38,7 @@ from agent.commands.pids import (
 from agent.commands.raylet import RayletLocator
 from agent.commands.stacks import StackKinds
 from agent.commands.throttle import Throttle
-from controller.schemas import CommandKind, CommandResult
+from vigil.contract.schemas import CommandKind, CommandResult
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Any
 from agent.commands.args import CorruptArgs, FaultFileArgs, _validate
 from agent.commands.config import ExecutorConfig
 from agent.commands.errors import CommandError
-from controller.checkpoint_layout import MANIFEST_FILE, newest_complete
-from controller.schemas import CommandResult
-from controller.settings import FAULT_FIRED_SUFFIX, fault_file_path
+from vigil.contract.checkpoint_layout import MANIFEST_FILE, newest_complete
+from vigil.contract.schemas import CommandResult
+from vigil.contract.settings import FAULT_FIRED_SUFFIX, adapt_file_path, fault_file_path
 
 #: ``corrupt_files`` leaves files whose name contains this alone (the checkpoint's manifest).
 MANIFEST_MARKER = "manifest"
@@ -40,14 +40,15 @@ class FileKinds:
     # -- kinds: files -----------------------------------------------------------------------------
     def write_fault_file(self, args: Mapping[str, Any]) -> CommandResult:
         a: FaultFileArgs = _validate(FaultFileArgs, args)
-        path = fault_file_path(self.config.run_dir, a.job_id, a.rank)
+        adapt = a.file == "adapt"
+        path = (adapt_file_path if adapt else fault_file_path)(self.config.run_dir, a.job_id, a.rank)
         try:
             data = json.dumps(a.fault, sort_keys=True, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise CommandError(f"bad args: fault is not JSON: {exc}") from None
         fired = path.with_name(path.name + FAULT_FIRED_SUFFIX)
         with contextlib.suppress(OSError):
-            if fired.read_bytes() == data:
+            if not adapt and fired.read_bytes() == data:
                 # A redo of a fault the rank already took: writing it again would fire it twice.
                 return CommandResult(
                     ok=True, message=f"{path} already fired", output={"path": str(path), "fired": True}

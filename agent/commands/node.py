@@ -20,7 +20,7 @@ from agent.commands.config import ExecutorConfig
 from agent.commands.errors import CommandError, _fit
 from agent.commands.pids import _child_env, _descendants, _gone, _session_members, _wait_gone, protected_pids
 from agent.commands.raylet import RayletLocator
-from controller.schemas import CommandResult
+from vigil.contract.schemas import CommandResult
 
 
 def _parents(p: psutil.Process) -> list[psutil.Process]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
-from controller.settings import SECRET_ENVS, child_env
+from vigil.contract.settings import SECRET_ENVS, child_env
 
 #: agent's token to every Ray worker); the same list `vigil up` keeps out of Ray's environment.
 SECRET_ENV = SECRET_ENVS
@@ -106,5 +106,5 @@ def parse_signal(value: int | str) -> signal.Signals:
 
 def _child_env() -> dict[str, str]:
     """A raylet's environment when the agent starts one again (its workers are ranks): the allowlist of
-    :func:`controller.settings.child_env`, not the agent's own (its token, VIGIL_HOME, the database URL)."""
+    :func:`vigil.contract.settings.child_env`, not the agent's own (its token, VIGIL_HOME, the database URL)."""
     return child_env()

@@ -19,9 +19,9 @@ from pydantic import ValidationError
 
 from agent.commands.errors import _fit
 from agent.commands.transport import CommandTransport
-from controller.background import BackgroundLoop
-from controller.client import ApiError
-from controller.schemas import CommandKind, CommandResult, NodeCommand
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.client import ApiError
+from vigil.contract.schemas import CommandKind, CommandResult, NodeCommand
 
 log = logging.getLogger(__name__)
 

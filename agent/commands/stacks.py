@@ -19,7 +19,7 @@ from agent.commands.args import PyspyArgs, _validate
 from agent.commands.config import ExecutorConfig
 from agent.commands.errors import CommandError, _fit
 from agent.commands.pids import _STOPPED_STATES, _child_env, _state
-from controller.schemas import CommandResult
+from vigil.contract.schemas import CommandResult
 
 #: Longest stack text kept per rank (a process with thousands of threads stays postable).
 MAX_STACK_CHARS = 256 * 1024

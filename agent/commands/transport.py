@@ -1,5 +1,5 @@
 """The HTTP side of commands: the :class:`CommandTransport` seam the runner polls and answers
-through, and :class:`ClientCommandTransport`, the real one on :class:`~controller.client.VigilClient`,
+through, and :class:`ClientCommandTransport`, the real one on :class:`~vigil.contract.client.VigilClient`,
 which polls and answers through whichever of the agent's controllers is up (:mod:`agent.failover`;
 an answer made again on another controller is idempotent there).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from agent.failover import FailoverClient
-from controller.client import VigilClient
-from controller.schemas import CommandResult, NodeCommand
+from vigil.contract.client import VigilClient
+from vigil.contract.schemas import CommandResult, NodeCommand
 
 
 class CommandTransport(Protocol):

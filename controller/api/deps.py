@@ -9,8 +9,8 @@ from fastapi import Depends, Path, Request
 from sqlalchemy.orm import Session
 
 from controller.auth import CurrentPrincipal
-from controller.schemas import ID_PATTERN, INT64_MAX, NODE_ID_PATTERN
-from controller.settings import Settings
+from vigil.contract.schemas import ID_PATTERN, INT64_MAX, NODE_ID_PATTERN
+from vigil.contract.settings import Settings
 
 
 def get_session(request: Request) -> Iterator[Session]:

@@ -10,7 +10,8 @@ from controller import jobs as service
 from controller.api.deps import CurrentPrincipal, JobId, SessionDep, SettingsDep
 from controller.launcher import LaunchError
 from controller.packages import package_exists
-from controller.schemas import (
+from controller.series import job_metrics
+from vigil.contract.schemas import (
     INT32_MAX,
     LOG_TAIL_DEFAULT,
     LOG_TAIL_MAX,
@@ -21,7 +22,6 @@ from controller.schemas import (
     JobStatus,
     LogsPublic,
 )
-from controller.series import job_metrics
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

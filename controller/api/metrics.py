@@ -11,8 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from controller import jobs as job_service
 from controller.api.deps import SessionDep
 from controller.prometheus import render
-from controller.schemas import ID_PATTERN, INT32_MAX, TS_MAX, JobCollectivesPublic, JobStepsPublic
 from controller.series import StepRange, job_collectives, job_steps
+from vigil.contract.schemas import ID_PATTERN, INT32_MAX, TS_MAX, JobCollectivesPublic, JobStepsPublic
 
 router = APIRouter(prefix="/jobs", tags=["telemetry"])
 root_router = APIRouter(tags=["metrics"])

@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from controller.api.deps import SessionDep
 from controller.models import Event, Node
-from controller.schemas import (
+from vigil.contract.schemas import (
     ID_PATTERN,
     EventPublic,
     EventsPublic,

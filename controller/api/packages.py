@@ -12,9 +12,9 @@ from controller import packages as service
 from controller.api.deps import SettingsDep
 from controller.auth import CurrentPrincipal
 from controller.db import session_scope, sqlite_writer
-from controller.schemas import PackagePublic
-from controller.settings import Settings
 from controller.tokens import Principal, Role
+from vigil.contract.schemas import PackagePublic
+from vigil.contract.settings import Settings
 
 router = APIRouter(prefix="/packages", tags=["packages"])
 

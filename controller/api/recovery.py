@@ -7,13 +7,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from sqlalchemy import func, select
 
+from controller import faults
 from controller import jobs as job_service
 from controller.api.deps import JobId, NodeId, RowId, SessionDep
 from controller.models import Fault, Incident, Node, StackDump
-from controller.recovery import checkpoints, commands, faults
+from controller.recovery import checkpoints, commands
 from controller.recovery.actions import HeadNodeError, evict_node, is_head_node, readmit_node, restart_job
 from controller.recovery.stacks import group_stacks, training_thread_first
-from controller.schemas import (
+from vigil.contract.schemas import (
     ID_PATTERN,
     CheckpointsPublic,
     CommandResult,

@@ -1,6 +1,6 @@
 """Agent ingest: ``POST /telemetry`` with a TelemetryBatch (JSON, optionally gzip), and
 ``POST /telemetry/columnar`` with the same batch in columns (MessagePack, optionally gzip; see
-:mod:`controller.schemas.columnar`): one schema, two encodings, the same storage and exactly-once rules."""
+:mod:`vigil.contract.schemas.columnar`): one schema, two encodings, the same storage and exactly-once rules."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from controller.auth import CurrentPrincipal, check_node_scope
 from controller.columnar import ColumnarError, decode, ingest_columnar
 from controller.db import session_scope, sqlite_writer
 from controller.host_history import HostHistoryLimits
-from controller.schemas import TelemetryAck, TelemetryBatch
-from controller.schemas.columnar import COLUMNAR_PATH, CONTENT_TYPE, CONTENT_TYPES
-from controller.settings import Settings
 from controller.telemetry import BodyTooLarge, decode_body, ingest
 from controller.telemetry_guard import TelemetryGuard
 from controller.tokens import Principal
+from vigil.contract.schemas import TelemetryAck, TelemetryBatch
+from vigil.contract.schemas.columnar import COLUMNAR_PATH, CONTENT_TYPE, CONTENT_TYPES
+from vigil.contract.settings import Settings
 
 router = APIRouter(tags=["telemetry"])
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from controller import tokens as service
 from controller.api.deps import CurrentPrincipal, SessionDep
-from controller.schemas import ID_PATTERN, TokenCreate, TokenCreated, TokenPublic, TokensPublic, WhoAmI
+from vigil.contract.schemas import ID_PATTERN, TokenCreate, TokenCreated, TokenPublic, TokensPublic, WhoAmI
 
 router = APIRouter(tags=["tokens"])
 

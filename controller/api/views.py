@@ -8,16 +8,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 
-from controller import goodput, views
+from controller import goodput, seconds_lost, views
 from controller import jobs as job_service
 from controller.api.deps import JobId, NodeId, SessionDep
 from controller.models import Job, Node
-from controller.schemas import (
+from vigil.contract.schemas import (
     INT32_MAX,
     TS_MAX,
     GoodputPublic,
     JobOverviewPublic,
     NodeHistoryPublic,
+    SecondsLostPublic,
     StepHeatmapPublic,
 )
 
@@ -68,6 +69,14 @@ def get_goodput(job_id: JobId, session: SessionDep) -> GoodputPublic:
     """Productive time against time lost per cause (startup, restart, lost steps, checkpoint, hang,
     other), and the ETTR."""
     return goodput.job_goodput(session, _job(session, job_id), time.time())
+
+
+@router.get("/jobs/{job_id}/stragglers", response_model=SecondsLostPublic)
+def get_seconds_lost(job_id: JobId, session: SessionDep, max_points: MaxPoints = 2000) -> SecondsLostPublic:
+    """Seconds lost to slow ranks: per step, what the step would have saved had every rank run at the median
+    rank's pace; each rank's and node's share, cumulative and as a share of the wall time (docs/RECOVERY.md,
+    "Seconds lost to slow ranks")."""
+    return seconds_lost.job_seconds_lost(session, _job(session, job_id), max_points=max_points)
 
 
 @router.get("/nodes/{node_id}/history", response_model=NodeHistoryPublic)

@@ -5,8 +5,10 @@
 * :func:`evict_node` / :func:`readmit_node`: ``POST /nodes/{id}/evict`` / ``.../readmit`` and the
   monitor's evictions (the Ray head is refused: :class:`HeadNodeError`);
 * :func:`fail_job`: stop the job FAILED (bounded restarts);
-* :func:`carry_out`: a policy :class:`~controller.recovery.policy.Decision` on a finding: open (or
-  take up) its incident, evict, collect stacks, kill ranks, and move the incident on.
+* :func:`carry_out`: a policy :class:`~controller.recovery.policy.Decision` on a finding, as it is: open
+  (or take up) its incident, record a refused eviction, evict, collect stacks, kill ranks, and move the
+  incident on. It decides nothing: the Ray head and the room left are facts the policy had
+  (:mod:`controller.recovery.facts`; ``is_head_node`` and ``leaves_room`` are re-exported here).
 
 Ranks and nodes are acted on through agent commands (:mod:`controller.recovery.commands`) and Ray's
 node draining (the launcher's :class:`~controller.launcher.ClusterControl`); incidents only through
@@ -21,48 +23,24 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controller.jobs import record_event, transition
 from controller.launcher import ClusterControl, JobLauncher, LaunchError
 from controller.models import Incident, Job, Node
-from controller.recovery import commands, incidents, policy, reads
+from controller.recovery import adapt, commands, facts, incidents, policy, reads
 from controller.recovery.detectors import Finding, Stage
-from controller.schemas import CommandKind, IncidentKind, JobCreate, JobStatus, NodeState
+from controller.recovery.facts import head_refusal, is_head_node, leaves_room
+from vigil.contract.schemas import CommandKind, IncidentKind, JobCreate, JobStatus, NodeState
+
+__all__ = ["HeadNodeError", "carry_out", "evict_node", "fail_job", "is_head_node", "leaves_room", "mark_node_dead",
+           "readmit_node", "restart_job"]
 
 log = logging.getLogger(__name__)
 
 
 class HeadNodeError(ValueError):
     """Eviction refused: the node is the Ray head."""
-
-
-def is_head_node(cluster: ClusterControl | None, node_id: str) -> bool:
-    """Whether ``node_id`` is the live Ray head (unknown, e.g. Ray unreachable, counts as no)."""
-    if cluster is None:
-        return False
-    try:
-        return any(n.is_head for n in cluster.nodes() if n.name == node_id and n.state == "ALIVE")
-    except LaunchError:
-        return False
-
-
-def leaves_room(s: Session, cluster: ClusterControl | None, spec: JobCreate, node_id: str) -> bool:
-    """Whether the job's workers (``min_workers`` x ``cpus_per_worker`` CPUs) still fit on the live Ray nodes
-    other than ``node_id`` and those Vigil has evicted or lost. Unknown (no cluster, Ray unreachable, CPUs
-    not reported) counts as yes: the check only keeps Vigil from evicting a job out of every place to run."""
-    if cluster is None:
-        return True
-    try:
-        nodes = cluster.nodes()
-    except LaunchError:
-        return True
-    if not any(n.cpus for n in nodes):
-        return True
-    out = set(s.scalars(select(Node.id).where(Node.state != NodeState.ALIVE.value)))
-    free = sum(n.cpus or 0.0 for n in nodes if n.state == "ALIVE" and n.name != node_id and n.name not in out)
-    return free >= spec.scaling.min_workers * spec.scaling.cpus_per_worker
 
 
 def evict_node(s: Session, cluster: ClusterControl | None, node_id: str, reason: str, deadline_s: float) -> str:
@@ -76,8 +54,7 @@ def evict_node(s: Session, cluster: ClusterControl | None, node_id: str, reason:
     if node is None:
         raise LookupError(node_id)
     if is_head_node(cluster, node_id):
-        raise HeadNodeError(f"node {node_id!r} is the Ray head (GCS, job drivers, Ray Train controllers) and is never "
-                            "evicted; run no ranks there (`ray start --head --num-cpus=0`) or replace the head")
+        raise HeadNodeError(head_refusal(node_id))
     outcome = "marked evicted"
     if cluster is not None:
         try:
@@ -146,12 +123,9 @@ def collect_stacks(s: Session, job: Job, inc: Incident) -> None:
 def carry_out(s: Session, decision: policy.Decision, finding: Finding, job: Job | None, *,
               cluster: ClusterControl | None, launcher: JobLauncher | None, deadline_s: float,
               clock: Callable[[], float]) -> Incident | None:
-    """Carry out ``decision`` on ``finding``: open its incident (or take up ``finding.incident_id``), evict,
-    collect stacks, kill, then move the incident on. None when the decision is to ignore the finding.
-
-    An eviction refused because the node is the Ray head records an ``eviction_refused`` event and
-    goes on with the policy's fallback (``decision.if_refused``).
-    """
+    """Carry out ``decision`` on ``finding`` as it is: open its incident (or take up ``finding.incident_id``),
+    record an eviction the policy refused (``decision.refused``: an ``eviction_refused`` event), evict,
+    collect stacks, kill, then move the incident on. None when the decision is to ignore the finding."""
     if decision.action == policy.Action.IGNORE:
         return None
     if finding.incident_id is not None:
@@ -161,19 +135,20 @@ def carry_out(s: Session, decision: policy.Decision, finding: Finding, job: Job 
         inc = incidents.open_incident(s, finding, clock())
     if finding.stage == Stage.DIAGNOSED:
         incidents.annotate(inc, finding)
+    if decision.refused is not None:
+        record_event(s, "eviction_refused", decision.refused, job_id=inc.job_id, node_id=finding.node_id,
+                     data={"incident_id": inc.id, "reason": decision.evict_reason})
     if decision.evict is not None:
-        try:
-            evict_node(s, cluster, decision.evict, decision.evict_reason, deadline_s)
-        except HeadNodeError as exc:
-            record_event(s, "eviction_refused", str(exc), job_id=inc.job_id, node_id=decision.evict,
-                         data={"incident_id": inc.id, "reason": decision.evict_reason})
-            assert decision.if_refused is not None and decision.if_refused.evict is None, decision
-            decision = decision.if_refused
+        _evict(s, cluster, decision, inc, deadline_s)
     if job is not None:
         if decision.action == policy.Action.DIAGNOSE:
             collect_stacks(s, job, inc)
         if decision.kill_all or decision.kill:
             kill_ranks(s, job, inc, None if decision.kill_all else decision.kill)
+        if decision.action == policy.Action.ADAPT:
+            spec = JobCreate.model_validate(job.spec)
+            assert spec.recovery.adapt is not None, job.id
+            adapt.request(s, job, inc, spec.recovery.adapt.params, clock())
     if decision.action in policy.ACTING_ACTIONS:
         assert decision.reason is not None, decision
         incidents.act(s, inc, decision.reason, clock())
@@ -187,19 +162,35 @@ def carry_out(s: Session, decision: policy.Decision, finding: Finding, job: Job 
     return inc
 
 
+def _evict(s: Session, cluster: ClusterControl | None, decision: policy.Decision, inc: Incident,
+           deadline_s: float) -> None:
+    """Drain the decision's node. The policy knew whether it is the Ray head (its facts); one that became the
+    head since is still never drained (:func:`evict_node` refuses it): the refusal is recorded and the rest
+    of the decision (the kills, the incident's move) goes on, as decided."""
+    assert decision.evict is not None, decision
+    try:
+        evict_node(s, cluster, decision.evict, decision.evict_reason, deadline_s)
+    except HeadNodeError as exc:
+        log.warning("incident %s: %s", inc.id, exc)
+        record_event(s, "eviction_refused", str(exc), job_id=inc.job_id, node_id=decision.evict,
+                     data={"incident_id": inc.id, "reason": decision.evict_reason})
+
+
 def restart_job(s: Session, cluster: ClusterControl | None, job: Job, reason: str, evict: str | None = None, *,
                 clock: Callable[[], float] = time.time) -> Incident:
     """Manual recovery (``POST /jobs/{id}/recover``): a ``manual`` incident, ``evict`` drained first if given,
     then every rank killed so that Ray Train restarts the group from the newest valid checkpoint.
 
     The caller checks that the job runs and that ``evict`` exists and is not the Ray head (the API
-    answers 404/409); a head found here anyway is kept, with an ``eviction_refused`` event.
+    answers 404/409); a head found here anyway is kept, with an ``eviction_refused`` event. The node the
+    user named is drained whatever room is left (the facts are gathered without the room check).
     """
     spec = JobCreate.model_validate(job.spec)
     finding = Finding(IncidentKind.MANUAL, job.id, evict, None, {"manual": True, "reason": reason}, step=job.last_step)
     inc = incidents.open_incident(s, finding, clock(), announce=False)
     finding = replace(finding, incident_id=inc.id)
-    decision = policy.decide(finding, spec.recovery, policy.History())
+    known = facts.gather(s, cluster, job, spec, finding, check_room=False)
+    decision = policy.policy_for(spec.recovery).decide(finding, known)
     carry_out(s, decision, finding, job, cluster=cluster, launcher=None,
               deadline_s=spec.recovery.thresholds.drain_deadline_s, clock=clock)
     return inc

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from controller.jobs import record_event
 from controller.models import Checkpoint
-from controller.schemas import CheckpointPublic, CheckpointSample
+from vigil.contract.schemas import CheckpointPublic, CheckpointSample
 
 
 def record_checkpoints(session: Session, samples: list[CheckpointSample]) -> None:

@@ -11,13 +11,14 @@ incident's evidence and names its culprit when there is exactly one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def analyse(reports: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
+def analyse(reports: Mapping[int, Mapping[str, Any]], known: Iterable[int] = ()) -> dict[str, Any] | None:
     """``reports``: per rank ``{"step", "idle_s", "state": {"groups", "in_flight", "last_done"}}`` (one run
-    attempt). None when no rank is inside a collective (nothing to line up)."""
+    attempt); ``known``: the job's ranks, those of them without a report are ``silent`` (stopped, or its
+    watcher could not speak). None when no rank is inside a collective (nothing to line up)."""
     if not reports:
         return None
     entered: dict[str, dict[int, int]] = {}
@@ -52,7 +53,7 @@ def analyse(reports: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
         for rank, rep in sorted(reports.items())
     }
     return {"waiting_in": {"group": group, "seq": seq, "op": op}, "waiting_ranks": waiting,
-            "not_entered": not_entered, "ranks": ranks}
+            "not_entered": not_entered, "silent": sorted(set(known) - set(reports)), "ranks": ranks}
 
 
 def ranges(ranks: list[int]) -> str:
@@ -71,7 +72,11 @@ def ranges(ranks: list[int]) -> str:
 def summary(found: Mapping[str, Any]) -> str:
     """One line for a person: who waits where, and for whom."""
     w = found["waiting_in"]
-    late = found["not_entered"]
-    who = (f"rank{'s' if len(late) > 1 else ''} {ranges(late)} never entered it" if late
-           else "every rank entered it (a transport stall, not a missing rank)")
+    late, silent = found["not_entered"], found.get("silent") or []
+    if late:
+        who = f"rank{'s' if len(late) > 1 else ''} {ranges(late)} never entered it"
+    elif silent:
+        who = f"rank{'s' if len(silent) > 1 else ''} {ranges(silent)} sent no report (stopped, or cannot speak)"
+    else:
+        who = "every rank entered it (a transport stall, not a missing rank)"
     return f"ranks {ranges(found['waiting_ranks'])} wait in {w['op']} #{w['seq']} of group {w['group']}; {who}"

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from controller.jobs import record_event
 from controller.models import Fault, Job, NodeCommandRow, StackDump
-from controller.schemas import CommandKind, CommandResult, CommandStatus, NodeCommand
+from vigil.contract.schemas import CommandKind, CommandResult, CommandStatus, NodeCommand
 
 log = logging.getLogger(__name__)
 

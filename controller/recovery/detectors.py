@@ -8,7 +8,7 @@ incident as they are). :mod:`controller.recovery.policy` decides what each findi
 Here: node lost, rank died, NaN loss / loss spike, hang (and its diagnosis from py-spy stacks), NIC
 degraded (the NIC detector of :mod:`controller.recovery.nic`, adapted), and a job's restart after a
 recovery action. Stragglers (compute-slow and late ranks) are :mod:`controller.recovery.stragglers`.
-Thresholds are the job's ``recovery.thresholds`` (:class:`~controller.schemas.RecoveryThresholds`);
+Thresholds are the job's ``recovery.thresholds`` (:class:`~vigil.contract.schemas.RecoveryThresholds`);
 the heartbeat timeout is the monitor's own.
 """
 
@@ -23,15 +23,15 @@ from sqlalchemy.orm import Session
 
 from controller.models import Incident, Job, Node
 from controller.recovery import collectives, nic, reads
-from controller.recovery.stacks import group_stacks
-from controller.schemas import IncidentKind, IncidentStatus, JobStatus, NodeState, RecoveryThresholds
+from controller.recovery.stacks import SUSPECT_STATES, group_stacks, process_state
+from vigil.contract.schemas import IncidentKind, IncidentStatus, JobStatus, NodeState, RecoveryThresholds
 
 
 class Stage(str, enum.Enum):
     """Where a finding stands in its incident's life."""
 
     DETECTED = "detected"  # a new fault: an incident is opened for it
-    DIAGNOSED = "diagnosed"  # more evidence on a live incident (a hang's stacks are in): now decide
+    DIAGNOSED = "diagnosed"  # more evidence on an incident under way (a hang's stacks are in): now decide
     RESUMED = "resumed"  # the job restarted after Vigil acted on the incident
 
 
@@ -48,7 +48,7 @@ class Finding:
     """The job's newest step when found (the incident's ``step_at_detect``)."""
     stage: Stage = Stage.DETECTED
     incident_id: int | None = None
-    """The live incident this finding is about (DIAGNOSED, RESUMED; a manual recovery's own)."""
+    """The incident under way this finding is about (DIAGNOSED, RESUMED; a manual recovery's own)."""
     suspects: tuple[int, ...] = ()
     """Ranks to act on, in order (a diagnosed hang: the odd ranks out, else every rank)."""
 
@@ -134,7 +134,7 @@ def rank_died(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: flo
 def loss(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
     """A non-finite loss since Vigil last acted (``nan_loss``), else a loss spike: the newest loss above
     ``spike_ratio`` x the median of the recent window. A fault already under way is not found again."""
-    if reads.live(s, job.id, IncidentKind.NAN_LOSS) is not None:
+    if reads.under_way(s, job.id, IncidentKind.NAN_LOSS) is not None:
         return []
     recent = reads.recent_losses(s, job.id)
     if not recent:
@@ -163,7 +163,7 @@ def loss(s: Session, job: Job, th: RecoveryThresholds) -> list[Finding]:
         return [Finding(IncidentKind.NAN_LOSS, job.id, None, first.rank,
                         {"step": first.step, "ranks": sorted({r.rank for r in bad}), "loss": None}, step=job.last_step)]
     finite_losses = [r.loss for r in recent if r.loss is not None]
-    if len(finite_losses) >= 50 and reads.live(s, job.id, IncidentKind.LOSS_SPIKE) is None:
+    if len(finite_losses) >= 50 and reads.under_way(s, job.id, IncidentKind.LOSS_SPIKE) is None:
         newest = recent[0]
         base = statistics.median(finite_losses[5:])
         if newest.loss is not None and base > 0 and newest.loss > th.spike_ratio * base:
@@ -228,8 +228,10 @@ def diagnose_hang(s: Session, job: Job, inc: Incident, th: RecoveryThresholds, n
         return []
     # Every rank's collective report too, where the ranks have watchers (one reported): a report still on
     # its way would leave the culprit out of the line-up for good (seen in CI: "every rank entered it").
+    # A rank its stack shows stopped (SIGSTOP, uninterruptible sleep) sends none: not waited for.
     progress = reads.rank_progress(s, job.id)
-    if progress and len(progress) < expected and waited < th.stack_wait_s:
+    stuck = {d.rank for d in dumps if process_state(d.stack) in SUSPECT_STATES}
+    if progress and len(set(progress) | stuck) < expected and waited < th.stack_wait_s:
         return []
     stacks = {d.rank: d.stack for d in dumps}
     groups, odd = group_stacks(stacks)
@@ -238,7 +240,7 @@ def diagnose_hang(s: Session, job: Job, inc: Incident, th: RecoveryThresholds, n
                 "odd_ranks": odd, "stacks_from": sorted(stacks)}
     # Where each rank stands in its collectives (its watcher's reports): the rank(s) that never entered
     # the collective the others wait in. It names the culprit before the stacks do.
-    found = collectives.analyse(progress)
+    found = collectives.analyse(progress, [r for r, loc in locs.items() if loc.alive])
     late: list[int] = []
     if found is not None:
         evidence["collectives"] = {**found, "summary": collectives.summary(found)}
@@ -276,7 +278,8 @@ def resumed(s: Session, job: Job, th: RecoveryThresholds, *, live: bool = False)
     out = []
     for inc in reads.acting(s, job.id):
         assert inc.acted_at is not None
-        restart_ts = (rejoin_seen(s, job.id, inc.rank, inc.acted_at.timestamp()) if live and inc.kind != IncidentKind.NAN_LOSS.value
+        restart_ts = (rejoin_seen(s, job.id, inc.rank, inc.acted_at.timestamp(), inc.detected_at.timestamp())
+                      if live and inc.kind != IncidentKind.NAN_LOSS.value
                       else restart_seen(s, job.id, inc.acted_at.timestamp(), th.restart_gap_s))
         if restart_ts is not None:
             out.append(Finding(IncidentKind(inc.kind), job.id, inc.node_id, inc.rank, {"restarted_at": restart_ts},
@@ -303,11 +306,23 @@ def restart_seen(s: Session, job_id: str, since: float, gap_s: float) -> float |
 LIVE_REJOIN_GAP_S = 2.5
 """Live recovery: a pause this long in one rank's own steps, after the action, is its replacement coming
 back (a new process: seconds at least); the survivors' own pause while a quorum re-forms is shorter."""
+LIVE_HEAL_LOOKBACK_S = 10.0
+"""Live recovery: a replacement's heal this long before the detection still answers it (a warm spare can
+heal before a death is confirmed: ~2 s after a kill, against ~2.4 s to detect it)."""
 
 
-def rejoin_seen(s: Session, job_id: str, rank: int | None, since: float) -> float | None:
-    """Live recovery: time of the first step of ``rank`` (of any rank: None) after ``since`` that follows a
-    pause of :data:`LIVE_REJOIN_GAP_S` in that rank's steps: its replacement stepping with the others."""
+def rejoin_seen(s: Session, job_id: str, rank: int | None, since: float, detected: float | None = None) -> float | None:
+    """Live recovery: time the replacement of ``rank`` (of any rank: None) stepped with the others: its first
+    step from its heal on (the heal record, from :data:`LIVE_HEAL_LOOKBACK_S` before ``detected`` but after the
+    job's previous recovery), else the
+    first step after ``since`` that follows a pause of :data:`LIVE_REJOIN_GAP_S` in that rank's steps (a
+    replacement that did not record its heal). A warm spare comes back without such a pause: only its heal
+    tells it apart."""
+    if detected is not None:
+        earlier = reads.last_recovery_before(s, job_id, detected)  # a heal before it answered that recovery
+        heal = reads.first_heal_after(s, job_id, rank, max(detected - LIVE_HEAL_LOOKBACK_S, earlier or 0.0))
+        if heal is not None:
+            return reads.first_step_from(s, job_id, int(heal.rank), float(heal.ts))
     prev: dict[int, float] = {}
     for r, ts in reads.rank_step_times_around(s, job_id, rank, since):
         if ts > since and r in prev and ts - prev[r] > LIVE_REJOIN_GAP_S:

@@ -22,9 +22,10 @@ from sqlalchemy.orm import Session
 
 from controller.jobs import record_event
 from controller.models import Incident, Job
-from controller.recovery.detectors import Finding
-from controller.recovery.reads import LIVE
-from controller.schemas import IncidentStatus, JobStatus
+from controller.recovery import heal_timeline
+from controller.recovery.detectors import Finding, rejoin_seen
+from controller.recovery.reads import UNDER_WAY
+from vigil.contract.schemas import IncidentKind, IncidentStatus, JobStatus, RecoveryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +133,32 @@ def close_for_ended_jobs(s: Session) -> None:
     """Incidents still under way whose job ended: RECOVERED when Vigil was acting and the job then
     succeeded, else CLOSED."""
     rows = s.scalars(select(Incident).join(Job, Job.id == Incident.job_id).where(
-        Incident.status.in_(LIVE), Job.status.in_([x.value for x in JobStatus if x.is_terminal()]))).all()
+        Incident.status.in_(UNDER_WAY), Job.status.in_([x.value for x in JobStatus if x.is_terminal()]))).all()
     for inc in rows:
         job = s.get(Job, inc.job_id)
-        if job is not None and job.status == JobStatus.SUCCEEDED.value and inc.status == IncidentStatus.ACTING.value:
+        succeeded = job is not None and job.status == JobStatus.SUCCEEDED.value
+        if succeeded and inc.status == IncidentStatus.ACTING.value and _replaced_live(job, inc):
+            # Under live recovery the survivors finish on their own: the job's success says nothing of the
+            # replacement. RECOVERED only if it stepped again (seen now: the job ended before a monitor pass
+            # saw it), else CLOSED.
+            rejoined = (rejoin_seen(s, job.id, inc.rank, inc.acted_at.timestamp(), inc.detected_at.timestamp())
+                        if inc.acted_at else None)
+            if rejoined is not None:
+                recover(s, inc, rejoined, job.restarts)
+                inc.evidence = {**(inc.evidence or {}), "timeline": heal_timeline.build(s, inc)}
+                continue
+            transition(inc, IncidentStatus.CLOSED)
+            who = f"rank {inc.rank}'s replacement" if inc.rank is not None else "the replacement"
+            why = f"the job finished before {who} trained with the others"
+            inc.action = f"{inc.action}; {why}" if inc.action else why
+        elif succeeded and inc.status == IncidentStatus.ACTING.value:
             transition(inc, IncidentStatus.RECOVERED)
             inc.recovered_at = inc.recovered_at or job.finished_at
         else:
             transition(inc, IncidentStatus.CLOSED)
+
+
+def _replaced_live(job: Job, inc: Incident) -> bool:
+    """Whether ``inc`` is a live job's replica replacement (a NaN rollback restarts every replica from disk)."""
+    policy = ((job.spec or {}).get("recovery") or {}).get("policy")
+    return policy == RecoveryPolicy.LIVE.value and inc.kind != IncidentKind.NAN_LOSS.value

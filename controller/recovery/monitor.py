@@ -1,16 +1,20 @@
 """The monitor: the loop that fires injected faults, runs the detectors, asks the policy and acts.
 
 ``Monitor.step()`` is one pass (tests drive it one iteration at a time); the controller runs it in a
-background thread every ``interval`` seconds (:class:`~controller.background.BackgroundLoop`). A pass:
+background thread every ``interval`` seconds (:class:`~vigil.contract.background.BackgroundLoop`). A pass:
 
-1. fires the pending faults whose job reached their step (:mod:`controller.recovery.faults`);
+1. fires the pending faults whose job reached their step (fault injection, :mod:`controller.faults`, which
+   lives outside recovery: recovery must find injected faults as it finds real ones);
 2. nodes: closes ``node_lost`` incidents of nodes heard from again, marks silent nodes DEAD;
 3. for every running job, in order: rank death, loss, hang (or the diagnosis of an open hang),
-   stragglers, the NIC detector, then the job's restarts after earlier actions
-   (:mod:`~controller.recovery.detectors`, :mod:`~controller.recovery.stragglers`). Each finding goes to
-   :func:`controller.recovery.policy.decide` with the job's ``recovery`` spec and history, and the
-   decision to :func:`controller.recovery.actions.carry_out`, before the next detector runs (a recovery
-   started by one finding quiets the detectors after it);
+   stragglers, the NIC detector (under ``adapt``, after following the job's adaptations:
+   :mod:`~controller.recovery.adapt`), then the job's restarts after earlier actions
+   (:mod:`~controller.recovery.detectors`, :mod:`~controller.recovery.stragglers`). For each finding the
+   facts the policy needs are gathered once (:func:`controller.recovery.facts.gather`: recovery under way,
+   the Ray head, room left, restarts so far and progress), the job's policy decides once
+   (:func:`controller.recovery.policy.policy_for`), and :func:`controller.recovery.actions.carry_out`
+   carries the decision out as it is, before the next detector runs (a recovery started by one finding
+   quiets the detectors after it);
 4. undoes the faults of jobs that ended, and settles their incidents
    (:mod:`~controller.recovery.incidents`).
 
@@ -19,8 +23,11 @@ is the monitor's (``node_timeout_s``). Silence is counted from the monitor's sta
 (``started_at``, set again by every ``start()``): after a controller restart, or a standby's takeover
 (controller/leader.py), nodes and ranks get a full timeout to be heard again.
 
-The actions and the head-node check live in :mod:`controller.recovery.actions`; ``HeadNodeError``,
-``is_head_node``, ``evict_node`` and ``readmit_node`` are re-exported here.
+The monitor itself decides nothing: besides running the detectors, it records each restart on the job
+(``restarts``, ``stalled_restarts``, ``progress_mark``, as the facts counted them) and keeps a finding the
+policy closed at once from being recorded again every pass (``ON_RECORD_S``). The actions live in
+:mod:`controller.recovery.actions`; ``HeadNodeError``, ``is_head_node``, ``evict_node`` and ``readmit_node``
+are re-exported here.
 """
 
 from __future__ import annotations
@@ -28,22 +35,33 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.background import BackgroundLoop
+from controller import faults
 from controller.db import session_scope
-from controller.jobs import record_event
 from controller.launcher import ClusterControl, JobLauncher
 from controller.models import Incident, Job
 from controller.prometheus import MONITOR_LAST_PASS_SECONDS, MONITOR_PASS_SECONDS
-from controller.recovery import actions, detectors, faults, incidents, policy, reads, stragglers
+from controller.recovery import (
+    actions,
+    adapt,
+    collective_hang,
+    detectors,
+    facts,
+    failslow,
+    heal_timeline,
+    incidents,
+    policy,
+    reads,
+    stragglers,
+)
 from controller.recovery import nic as nic_detector
 from controller.recovery.actions import HeadNodeError, evict_node, is_head_node, readmit_node
 from controller.recovery.agents import AgentWatch
 from controller.recovery.detectors import Finding
-from controller.schemas import IncidentKind, JobCreate, RecoveryPolicy
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.schemas import IncidentKind, JobCreate, RecoveryPolicy
 
 __all__ = ["NODE_TIMEOUT_S", "HeadNodeError", "Monitor", "evict_node", "is_head_node", "readmit_node"]
 
@@ -111,6 +129,7 @@ class Monitor(BackgroundLoop):
                     self._job(s, job, JobCreate.model_validate(job.spec), now)
                 faults.clear_for_ended_jobs(s)
                 incidents.close_for_ended_jobs(s)
+                heal_timeline.settle(s, now)
         finally:
             # Detection must not starve under a flood of telemetry: the pass time is exported.
             took = time.perf_counter() - t0
@@ -137,17 +156,19 @@ class Monitor(BackgroundLoop):
         self._detect(s, job, spec, IncidentKind.RANK_DIED,
                      lambda: detectors.rank_died(s, job, spec.steps, th, self.clock()))
         self._respond_all(s, job, spec, detectors.loss(s, job, th))
-        hang = reads.live(s, job.id, IncidentKind.HANG)
+        hang = reads.under_way(s, job.id, IncidentKind.HANG)
         if hang is not None:
             self._respond_all(s, job, spec, detectors.diagnose_hang(s, job, hang, th, now))
         else:
-            self._detect(s, job, spec, IncidentKind.HANG, lambda: detectors.hang(
+            self._detect(s, job, spec, IncidentKind.HANG, lambda: collective_hang.detect(s, job, th, now) or detectors.hang(
                 s, job, spec.steps, th, now, since=self.started_at + self.reconnect_grace_s, per_rank=live))
         self._detect(s, job, spec, IncidentKind.STRAGGLER,
                      lambda: stragglers.detect(s, job, th, spec.checkpoint.interval_steps,
-                                               since=reads.last_recovered_ts(s, job.id) if live else None))
-        nic_found = self._detect_nic(s, job, now)  # every pass: it keeps each node's history
-        self._respond_all(s, job, spec, [f for f in nic_found if reads.live(s, job.id, f.kind) is None])
+                                               since=reads.last_recovered_ts(s, job.id) if live else None)
+                     or failslow.detect(s, job, th, stragglers.checkpoint_busy(
+                         s, job.id, spec.checkpoint.interval_steps, th.checkpoint_settle_s), spec.steps))
+        nic_found = self._detect_nic(s, job, spec, now)  # every pass: it keeps each node's history
+        self._respond_all(s, job, spec, [f for f in nic_found if reads.under_way(s, job.id, f.kind) is None])
         for finding in detectors.resumed(s, job, th, live=live):
             self._resumed(s, job, spec, finding)
 
@@ -167,16 +188,18 @@ class Monitor(BackgroundLoop):
                 detect: Callable[[], list[Finding]]) -> None:
         """Run a detector unless the policy would ignore its findings now (a recovery under way), or an
         incident of its kind is still under way for the job (under observe one stays OPEN: found once)."""
-        if policy.waits(kind, self._history(s, job)) or reads.live(s, job.id, kind) is not None:
+        if policy.waits(kind, facts.recovering(s, job)) or reads.under_way(s, job.id, kind) is not None:
             return
         self._respond_all(s, job, spec, detect())
 
-    def _detect_nic(self, s: Session, job: Job, now: float) -> list[Finding]:
+    def _detect_nic(self, s: Session, job: Job, spec: JobCreate, now: float) -> list[Finding]:
         try:
             found = self._nic.detect(s, job, now)  # every pass, even mid-recovery: it keeps the history
         except Exception:  # a bug there must not cost the other detectors their pass
             log.exception("NIC detector failed for job %s", job.id)
             return []
+        if spec.recovery.policy == RecoveryPolicy.ADAPT:  # its nodes' adaptations: followed, not found again
+            found = adapt.follow(s, job, spec, found, now, lambda f: self._respond(s, job, spec, f))
         return detectors.nic_degraded(job, found)
 
     # -- findings -> policy -> actions ---------------------------------------------------------------
@@ -184,17 +207,12 @@ class Monitor(BackgroundLoop):
         for finding in findings:
             self._respond(s, job, spec, finding)
 
-    def _respond(self, s: Session, job: Job | None, spec: JobCreate | None, finding: Finding) -> Incident | None:
-        history = self._history(s, job) if job is not None else policy.History()
-        decision = policy.decide(finding, spec.recovery if spec else None, history)
-        if (decision.evict is not None and job is not None and spec is not None
-                and not actions.leaves_room(s, self.cluster, spec, decision.evict)):
-            # Evicting the node would leave the job too few CPUs: it would wait for a place forever.
-            record_event(s, "eviction_refused", f"{decision.evict} not evicted: job {job.id}'s "
-                         f"{spec.scaling.min_workers} worker(s) would not fit on the other nodes",
-                         job_id=job.id, node_id=decision.evict)
-            history = replace(history, no_room=history.no_room | {decision.evict})
-            decision = policy.decide(finding, spec.recovery, history)
+    def _respond(self, s: Session, job: Job | None, spec: JobCreate | None, finding: Finding,
+                 known: facts.Facts | None = None) -> Incident | None:
+        """Facts gathered once (unless given), one decision by the job's policy, carried out as it is."""
+        if known is None:
+            known = facts.gather(s, self.cluster, job, spec, finding)
+        decision = policy.policy_for(spec.recovery if spec else None).decide(finding, known)
         if (decision.action == policy.Action.CLOSE and job is not None and finding.incident_id is None
                 and self._already_on_record(s, job, finding)):
             return None
@@ -216,21 +234,18 @@ class Monitor(BackgroundLoop):
         return reads.closed_since(s, job.id, finding.kind, finding.node_id, now - ON_RECORD_S) is not None
 
     def _resumed(self, s: Session, job: Job, spec: JobCreate, finding: Finding) -> None:
-        """The job restarted after Vigil acted on an incident: RECOVERED, the restart counted (with or
-        without progress since the last one), and the policy asked whether to go on."""
+        """The job restarted after Vigil acted on an incident: the restart counted as the facts count it (with
+        or without progress since the last one, :mod:`vigil.contract.restarts`), RECOVERED, and the policy
+        asked whether to go on."""
         inc = s.get(Incident, finding.incident_id)
         assert inc is not None, finding
-        job.restarts += 1
-        progressed = job.progress_mark is None or (job.last_step or 0) > job.progress_mark
-        job.stalled_restarts = 0 if progressed else job.stalled_restarts + 1
-        job.progress_mark = max(job.progress_mark or 0, inc.step_at_detect or 0)
+        known = facts.gather(s, self.cluster, job, spec, finding)
+        job.restarts, job.stalled_restarts, job.progress_mark = (known.restarts, known.stalled_restarts,
+                                                                 known.resume_point)
         incidents.recover(s, inc, finding.evidence["restarted_at"], job.restarts)
-        self._respond(s, job, spec, finding)
-
-    def _history(self, s: Session, job: Job) -> policy.History:
-        observe = (job.spec.get("recovery") or {}).get("policy") == RecoveryPolicy.OBSERVE.value
-        return policy.History(recovering=reads.recovering(s, job.id, observe=observe),
-                              stalled_restarts=job.stalled_restarts)
+        if spec.recovery.policy == RecoveryPolicy.LIVE and inc.kind != IncidentKind.NAN_LOSS.value:
+            inc.evidence = {**(inc.evidence or {}), "timeline": heal_timeline.build(s, inc)}
+        self._respond(s, job, spec, finding, known)
 
     # -- manual recovery (the API calls actions.restart_job; kept for callers of the monitor) ------------
     def restart_job(self, s: Session, job: Job, reason: str, evict_node: str | None = None) -> Incident:

@@ -48,9 +48,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controller.locate import rank_locations
 from controller.models import Job, Node, StepMetric
-from controller.recovery.faults import rank_locations
-from controller.schemas import IncidentKind
+from vigil.contract.schemas import IncidentKind
 
 #: Interfaces that are never a node's network link.
 _VIRTUAL_PREFIXES = ("lo", "ifb", "veth", "docker", "br-", "virbr", "vgb", "vgv", "cni", "flannel", "tun", "tap")

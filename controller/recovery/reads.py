@@ -14,6 +14,8 @@ from typing import Any
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
+from controller.locate import RankLocation
+from controller.locate import rank_locations as _rank_locations
 from controller.models import (
     Checkpoint,
     CollectiveMetric,
@@ -24,12 +26,11 @@ from controller.models import (
     StackDump,
     StepMetric,
 )
-from controller.recovery import faults
-from controller.recovery.faults import RankLocation
-from controller.schemas import IncidentKind, IncidentStatus, JobStatus, NodeState
+from vigil.contract.schemas import IncidentKind, IncidentStatus, JobStatus, NodeState
 
-LIVE = (IncidentStatus.OPEN.value, IncidentStatus.ACTING.value)
-"""Statuses of an incident that is still under way."""
+UNDER_WAY = (IncidentStatus.OPEN.value, IncidentStatus.ACTING.value)
+"""Statuses of an incident that is still under way (not ``live``: that word is ``recovery.policy: live``,
+torchft's live recovery, alone)."""
 
 
 def _ts(value: datetime) -> float:
@@ -49,16 +50,16 @@ def alive_nodes(s: Session) -> Sequence[Node]:
 
 def rank_locations(s: Session, job_id: str) -> dict[int, RankLocation]:
     """Where each rank of the job runs (node, pid, alive), from the newest heartbeats."""
-    return faults.rank_locations(s, job_id)
+    return _rank_locations(s, job_id)
 
 
 # -- incidents -------------------------------------------------------------------------------------------
 
 
-def live(s: Session, job_id: str, kind: IncidentKind) -> Incident | None:
+def under_way(s: Session, job_id: str, kind: IncidentKind) -> Incident | None:
     """An incident of ``kind`` of the job that is still under way (OPEN or ACTING), if any."""
     return s.scalar(select(Incident).where(Incident.job_id == job_id, Incident.kind == kind.value,
-                                           Incident.status.in_(LIVE)).limit(1))
+                                           Incident.status.in_(UNDER_WAY)).limit(1))
 
 
 def closed_since(s: Session, job_id: str, kind: IncidentKind, node_id: str | None, since: float) -> Incident | None:
@@ -73,7 +74,7 @@ def recovering(s: Session, job_id: str, *, observe: bool = False) -> bool:
     """Whether the job has an incident under way other than a loss spike (which never acts). ``observe``
     (the job's policy): only an incident Vigil acts on (ACTING) counts; under observe an incident stays
     OPEN for good, and must not mute the other detectors for the rest of the job."""
-    statuses = (IncidentStatus.ACTING.value,) if observe else LIVE
+    statuses = (IncidentStatus.ACTING.value,) if observe else UNDER_WAY
     return s.scalar(select(Incident.id).where(Incident.job_id == job_id, Incident.status.in_(statuses),
                                               Incident.kind != IncidentKind.LOSS_SPIKE.value).limit(1)) is not None
 
@@ -120,7 +121,7 @@ def rank_progress(s: Session, job_id: str) -> dict[int, dict[str, Any]]:
     if not rows:
         return {}
     newest = max(r.attempt for r in rows)
-    return {r.rank: {"step": r.step, "idle_s": r.idle_s, "ts": r.ts, "state": r.state}
+    return {r.rank: {"step": r.step, "idle_s": r.idle_s, "ts": r.ts, "attempt": r.attempt, "state": r.state}
             for r in rows if r.attempt == newest}
 
 
@@ -211,6 +212,13 @@ def checkpoint_times(s: Session, job_id: str) -> dict[int, float]:
         select(Checkpoint.step, Checkpoint.created_at).where(Checkpoint.job_id == job_id)).all()}
 
 
+def newest_valid_step(s: Session, job_id: str) -> int:
+    """The step of the job's newest checkpoint reported valid (-1: none): where a restart of the worker
+    group resumes from, as far as the controller has heard (rank 0 reports each complete one)."""
+    step = s.scalar(select(func.max(Checkpoint.step)).where(Checkpoint.job_id == job_id, Checkpoint.valid.is_(True)))
+    return -1 if step is None else int(step)
+
+
 def rank0_max_step_until(s: Session, job_id: str, until: float) -> int | None:
     return s.scalar(select(func.max(StepMetric.step)).where(StepMetric.job_id == job_id, StepMetric.rank == 0,
                                                             StepMetric.ts <= until))
@@ -239,3 +247,28 @@ def rank_step_times_around(s: Session, job_id: str, rank: int | None, since: flo
         .group_by(StepMetric.rank)
     after = select(StepMetric.rank, StepMetric.ts).where(*where, StepMetric.ts > since)
     return s.execute(before.union_all(after).order_by("ts")).all()
+
+
+def first_heal_after(s: Session, job_id: str, rank: int | None, since: float) -> Row[Any] | None:
+    """(rank, ts) of the first ``heal`` record (live recovery: a replacement received a peer's state) of
+    ``rank`` (any rank: None) after ``since``."""
+    where = [CollectiveMetric.job_id == job_id, CollectiveMetric.op == "heal", CollectiveMetric.ts > since]
+    if rank is not None:
+        where.append(CollectiveMetric.rank == rank)
+    return s.execute(select(CollectiveMetric.rank, CollectiveMetric.ts).where(*where)
+                     .order_by(CollectiveMetric.ts).limit(1)).first()
+
+
+def first_step_from(s: Session, job_id: str, rank: int, since: float) -> float | None:
+    """Time of ``rank``'s first step sample at or after ``since``."""
+    return s.scalar(select(func.min(StepMetric.ts)).where(StepMetric.job_id == job_id, StepMetric.rank == rank,
+                                                          StepMetric.ts >= since))
+
+
+def last_recovery_before(s: Session, job_id: str, ts: float) -> float | None:
+    """When the job's newest incident RECOVERED before ``ts`` was (a heal before it was that recovery's)."""
+    at = s.scalar(select(func.max(Incident.recovered_at)).where(
+        Incident.job_id == job_id, Incident.recovered_at.is_not(None),
+        Incident.recovered_at < datetime.fromtimestamp(ts, UTC)))
+    return at.replace(tzinfo=at.tzinfo or UTC).timestamp() if at is not None else None
+

@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from controller.schemas import TRAINING_THREAD, StackGroup
+from vigil.contract.schemas import TRAINING_THREAD, StackGroup
 
 _FRAME = re.compile(r"^\s+(\S+)\s+\(([^:)]+)")
 _THREAD = re.compile(r'^Thread\s+(\S+)\s*(?:\(([^)]*)\))?:?\s*(?:"(.*)")?')

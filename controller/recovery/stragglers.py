@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 from controller.models import Job
 from controller.recovery import reads
 from controller.recovery.detectors import Finding
-from controller.schemas import IncidentKind, RecoveryThresholds
 from controller.step_stats import waits_in_call
+from vigil.contract.schemas import IncidentKind, RecoveryThresholds
 
 OWN_HISTORY_STEPS = 200
 """How far back a rank's own past reaches for the individual score (steps before the scored window)."""

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from controller.schemas import JobCreate
 from vigil import sdk as vigil
+from vigil.contract.schemas import JobCreate
 from vigil.data import BatchSampler, build_samplers
 from vigil.model import build_model
 

@@ -1,6 +1,6 @@
 """rank_progress: where each rank last stood in its collectives while its steps stalled
 
-One row per (job, rank), the newest :class:`controller.schemas.ProgressSample` of the rank (its process
+One row per (job, rank), the newest :class:`vigil.contract.schemas.ProgressSample` of the rank (its process
 groups' last entered and completed collectives, what it is inside now): a hang's diagnosis lines them up
 across ranks to name the rank that never entered the collective the others wait in.
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.probe import free_port, wait_for
-from controller.settings import child_env
 from ops.localcluster import RAY_ENV, ensure_ray_token
 from ops.processes import ProcessGroup
+from vigil.contract.probe import free_port, wait_for
+from vigil.contract.settings import child_env
 
 RAY = str(Path(sys.executable).parent / "ray")
 PREFIX = "attached-node"

@@ -72,12 +72,12 @@ from pathlib import Path
 from typing import Any
 
 from controller.db import make_engine
-from controller.probe import poll
 from ops.bench.chaos_db import final_loss, incidents_since, missing_samples, rank_rows, sample_counts
 from ops.bench.chaos_plan import BASE_KINDS, CKPT_INTERVAL, NET_KINDS, draw_schedule, eligible_kinds, score
 from ops.bench.chaos_run import Chaos
 from ops.bench.faultrun import safely
 from ops.localcluster import free_port, start_local_cluster
+from vigil.contract.probe import poll
 
 log = logging.getLogger("vigil.bench.chaos")  # also the logger of ops.bench.chaos_run: `main` sets its level
 

@@ -12,10 +12,6 @@ from typing import Any
 
 from sqlalchemy import Engine, text
 
-from controller.checkpoint_layout import job_checkpoint_root, list_step_dirs, newest_complete
-from controller.client import ApiError
-from controller.probe import poll
-from controller.schemas import JobCreate, JobPublic
 from ops.bench.chaos_db import rank_rows
 from ops.bench.chaos_plan import (
     API_KINDS,
@@ -46,6 +42,10 @@ from ops.bench.faultrun import (
     with_ray_start_pid,
 )
 from ops.localcluster import LocalCluster, node_name
+from vigil.contract.checkpoint_layout import job_checkpoint_root, list_step_dirs, newest_complete
+from vigil.contract.client import ApiError
+from vigil.contract.probe import poll
+from vigil.contract.schemas import JobCreate, JobPublic
 
 log = logging.getLogger("vigil.bench.chaos")  # the bench's logger: `main` sets its level
 

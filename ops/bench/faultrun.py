@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 import httpx
 
-from controller.client import ApiError, VigilClient
-from controller.probe import poll
-from controller.schemas import FaultCreate
 from ops.localcluster import Child, LocalCluster
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.probe import poll
+from vigil.contract.schemas import FaultCreate
 
 log = logging.getLogger("vigil.bench.faultrun")
 

@@ -44,10 +44,10 @@ from typing import Any
 
 import psutil
 
-from controller.client import VigilClient
-from controller.schemas import JobCreate, JobStatus
 from ops.bench.faultrun import UNREACHABLE
 from ops.localcluster import RAY_ENV, LocalCluster, free_port, start_local_cluster
+from vigil.contract.client import VigilClient
+from vigil.contract.schemas import JobCreate, JobStatus
 
 log = logging.getLogger("vigil.bench.footprint")
 

@@ -58,7 +58,6 @@ from pathlib import Path
 
 import httpx
 
-from controller.probe import free_port
 from ops.bench.ingest_db import (
     _aggregate_all,
     _database,
@@ -70,6 +69,7 @@ from ops.bench.ingest_db import (
 )
 from ops.bench.ingest_load import build_bodies, build_columnar_bodies
 from ops.bench.ingest_watch import MonitorWatch
+from vigil.contract.probe import free_port
 
 log = logging.getLogger(__name__)
 

@@ -56,8 +56,8 @@ def _tokens(url: str) -> tuple[str, str]:
     """(admin, agent) tokens issued straight in the database, as ``vigil up`` does."""
     from controller import migrate
     from controller.db import make_engine, make_session_factory, session_scope
-    from controller.schemas import Role, TokenCreate
     from controller.tokens import create_token
+    from vigil.contract.schemas import Role, TokenCreate
 
     migrate.upgrade(url)
     engine = make_engine(url)

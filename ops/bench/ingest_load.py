@@ -129,7 +129,7 @@ def build_columnar_bodies(job_id: str, ranks: int, collectives: int, samples: in
                           ) -> list[bytes]:
     """Gzip columnar bodies (:mod:`agent.columnar`) of the same load as :func:`build_bodies`."""
     from agent.columnar import encode_blocks
-    from controller.schemas.columnar import ColumnBlock, column_specs
+    from vigil.contract.schemas.columnar import ColumnBlock, column_specs
 
     strings = [job_id, *_STRINGS[1:]]
     t0 = time.time()

@@ -29,10 +29,10 @@ import statistics
 import time
 from typing import Any
 
-from controller.probe import poll
-from controller.schemas import JobCreate
 from ops.bench.faultrun import FaultRun
 from ops.bench.faultrun import parse_ts as _ts
+from vigil.contract.probe import poll
+from vigil.contract.schemas import JobCreate
 
 log = logging.getLogger("vigil.bench.live_recovery")
 
@@ -48,9 +48,14 @@ REJOIN_GAP_S = 2.5
 ``controller.recovery.detectors.LIVE_REJOIN_GAP_S``)."""
 
 
-def spec(name: str, steps: int, policy: str, *, batch: int = 32, ckpt: int = 10) -> JobCreate:
-    """The GPT example, 2 ranks. Live: a quorum of 1 (the survivor trains on alone while the other heals)."""
+def spec(name: str, steps: int, policy: str, *, batch: int = 32, ckpt: int = 10,
+         quorum_every: int | None = None, spares: int = 0) -> JobCreate:
+    """The GPT example, 2 ranks. Live: a quorum of 1 (the survivor trains on alone while the other heals);
+    ``quorum_every``: ``recovery.quorum_every_steps`` (None: the default); ``spares``: ``recovery.spares``."""
     live = policy == "live"
+    every = {} if quorum_every is None else {"quorum_every_steps": quorum_every}
+    if live and spares:
+        every["spares"] = spares
     return JobCreate.model_validate({
         "name": name,
         "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "context": 64},
@@ -60,7 +65,7 @@ def spec(name: str, steps: int, policy: str, *, batch: int = 32, ckpt: int = 10)
         "steps": steps, "batch_size": batch,
         "lr_schedule": {"kind": "constant"},
         "checkpoint": {"interval_steps": ckpt, "keep_last": 3},
-        "recovery": {"policy": policy, "max_restarts": 5},
+        "recovery": {"policy": policy, "max_restarts": 5, **every},
     })
 
 
@@ -71,12 +76,19 @@ class Series:
         self.by_rank: dict[int, list[tuple[float, int, float]]] = {}
         for s in run.client.job_metrics(job_id, max_points=100_000).ranks:
             self.by_rank[s.rank] = sorted(zip(s.ts, s.step, s.step_time_s, strict=True))
+        raw = run.client.job_collectives(job_id, ops=["heal"], raw=True).raw or []
+        self.heals: list[tuple[float, int]] = sorted((c.ts, c.rank) for c in raw)
+        """(ts, rank) of each replacement's heal (``op=heal``): a warm spare comes back without a pause."""
 
     def rank(self, r: int) -> list[tuple[float, int, float]]:
         return self.by_rank.get(r, [])
 
     def rejoin(self, r: int, since: float) -> float | None:
-        """The first step of rank ``r`` after ``since`` that follows a pause of its own (a new process)."""
+        """Rank ``r``'s replacement stepping: its first step from its first heal after ``since`` on (live), else
+        the first step of rank ``r`` after ``since`` that follows a pause of its own (a new process)."""
+        heal = next((ts for ts, rank in self.heals if rank == r and ts > since), None)
+        if heal is not None:
+            return next((ts for ts, _, _ in self.rank(r) if ts >= heal), None)
         prev = since  # (after a restart the metrics may hold the new run's rows only)
         for ts, _, _ in self.rank(r):
             if ts > since and ts - prev > REJOIN_GAP_S:
@@ -124,12 +136,15 @@ class Series:
 
 
 class LiveRunner(FaultRun):
-    """One fault on a fresh 2-rank job of a policy; the cluster's evicted node readmitted afterwards."""
+    """One fault on a fresh 2-rank job of a policy; the cluster's evicted node readmitted afterwards.
+    ``spares``: the live jobs' ``recovery.spares`` (the steady-state jobs have none)."""
+
+    spares = 0
 
     def run_fault(self, kind: str, policy: str, steps: int, at: int, slow_factor: float = 2.0) -> dict[str, Any]:
         slow = kind == "slow_rank"  # ~0.2 s steps, so a 2x slower compute stands out of the noise
         job = self.client.submit_job(spec(f"bench-{policy}-{kind}", steps // 3 if slow else steps, policy,
-                                          batch=96 if slow else 32))
+                                          batch=96 if slow else 32, spares=self.spares))
         out: dict[str, Any] = {"kind": kind, "policy": policy, "job_id": job.id, "detected": False,
                                "culprit_correct": False, "time_to_detect_s": None, "time_to_rejoin_s": None,
                                "survivor_lost_steps": None, "survivor_max_pause_s": None}
@@ -207,9 +222,20 @@ class LiveRunner(FaultRun):
         if not poll(whole, 180, 2.0, (Exception,)):
             log.warning("not every node came back within 180 s")
 
+    def steady(self, policy: str, steps: int, quorum_every: int | None = None) -> dict[str, Any]:
+        """A fault-free job of ``steps`` under ``policy``: its steady pace (mean time from one step to the next,
+        outages left out: :meth:`Series.job_ettr`). Under live a step may also wait for a quorum."""
+        job = self.client.submit_job(spec(f"bench-steady-{policy}", steps, policy, quorum_every=quorum_every))
+        status = self.finish(job.id, timeout=600)
+        time.sleep(3)  # the agents' last batches
+        out = Series(self, job.id).job_ettr()
+        return {"policy": policy, "quorum_every_steps": job.spec.recovery.quorum_every_steps if policy == "live"
+                else None, "job_id": job.id, "status": status, "steps": out.get("steps"), "pace_s": out.get("pace_s"),
+                "median_step_s": out.get("median_step_s")}
+
     def ettr(self, policy: str, minutes: float, fault_every_s: float) -> dict[str, Any]:
         """A long job (cancelled after ``minutes``) with a kill_rank every ``fault_every_s`` of training."""
-        job = self.client.submit_job(spec(f"bench-ettr-{policy}", 10_000_000, policy, ckpt=100))
+        job = self.client.submit_job(spec(f"bench-ettr-{policy}", 10_000_000, policy, ckpt=100, spares=self.spares))
         if not self.reach(job.id, 5, timeout=300):
             return {"ettr": None, "error": "job did not start"}
         end = time.time() + minutes * 60

@@ -34,12 +34,12 @@ from typing import Any
 
 import psutil
 
-from controller.checkpoint_layout import job_checkpoint_root, newest_complete
-from controller.probe import poll
-from controller.schemas import JobCreate
 from ops.bench.faultrun import FaultRun, step_at
 from ops.bench.faultrun import parse_ts as _ts
 from ops.localcluster import LocalCluster, free_port, start_local_cluster
+from vigil.contract.checkpoint_layout import job_checkpoint_root, newest_complete
+from vigil.contract.probe import poll
+from vigil.contract.schemas import JobCreate
 
 log = logging.getLogger("vigil.bench.recovery")
 
@@ -338,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="--policy live, ETTR run: a kill_rank every this many seconds of training (default 60).")
     p.add_argument("--ettr-minutes", type=float, default=5.0,
                    help="--policy live: length of each ETTR run in minutes (default 5; 0: none).")
+    p.add_argument("--steady-steps", type=int, default=400,
+                   help="--policy live: a fault-free job of this many steps under live and under evict_restart, "
+                        "for steady_step_ratio (the live pace over the evict_restart one; 0: none).")
+    p.add_argument("--spares", type=int, default=1,
+                   help="--policy live: recovery.spares of the live fault and ETTR jobs (default 1; 0: Ray restarts "
+                        "a lost replica's process, which imports torch again before it heals).")
+    p.add_argument("--steady-repeats", type=int, default=2,
+                   help="--policy live: the steady jobs taken in turn this many times; each keeps its fastest.")
     p.add_argument("--attached", action="store_true",
                    help="On a Ray cluster built with `ray start` (no vigil up), Vigil attached with --deploy-agents, "
                         "checkpoints on a local S3-compatible server (moto): ops/bench/attached.py.")
@@ -390,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main_live(args: argparse.Namespace) -> int:
     from ops.bench.live_recovery import LIVE_FAULTS, LiveRunner
 
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip() in LIVE_FAULTS] or list(LIVE_FAULTS)
+    asked = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    kinds = [k for k in asked if k in LIVE_FAULTS] or ([] if not asked else list(LIVE_FAULTS))  # "": none
     if "kill_node" in kinds:  # it shrinks the cluster: last
         kinds = [k for k in kinds if k != "kill_node"] + ["kill_node"]
     # Long enough that the replaced rank is back before the end (a hang takes ~16 s to find, a lost
@@ -404,6 +413,7 @@ def _main_live(args: argparse.Namespace) -> int:
     ettr: dict[str, dict[str, Any]] = {}
     try:
         r = LiveRunner(cluster)
+        r.spares = args.spares
         for kind in kinds:
             for policy in policies:
                 results[policy].append(r.run_fault(kind, policy, steps, at, slow_factor=args.slow_factor))
@@ -412,11 +422,14 @@ def _main_live(args: argparse.Namespace) -> int:
         if args.ettr_minutes > 0:
             for policy in policies:
                 ettr[policy] = r.ettr(policy, args.ettr_minutes, args.fault_every_s)
+        steady = _steady(r, args.steady_steps, args.steady_repeats) if args.steady_steps > 0 else {}
     finally:
         cluster.stop(discard_storage=True)
     out: dict[str, Any] = {
-        "policy": "live", "faults": results["live"],
+        "policy": "live", "spares": args.spares, "faults": results["live"],
         "ettr": ettr.get("live", {}).get("ettr"), "ettr_run": ettr.get("live"),
+        "steady_step_ratio": _ratio(steady), "steady_step_ratio_quorum_every_step": _ratio(steady, "live_every_step"),
+        "steady": steady,
         "wall_s": round(time.time() - t0, 1),
     }
     if "evict_restart" in results:
@@ -434,7 +447,32 @@ def _main_live(args: argparse.Namespace) -> int:
                   f"{f['survivor_max_pause_s']!s:>13}")
     for policy, e in ettr.items():
         print(f"ETTR {policy}: {e.get('ettr')} ({e.get('faults')} kills, one every {args.fault_every_s:g} s)")
+    print(f"steady_step_ratio (live pace / evict_restart pace, fault-free): {out['steady_step_ratio']}; "
+          f"with a quorum at every step: {out['steady_step_ratio_quorum_every_step']}")
     return 0
+
+
+def _steady(r: Any, steps: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """Fault-free jobs, taken in turn ``repeats`` times (the machine's load drifts): live at the default
+    ``recovery.quorum_every_steps``, live with a quorum at every step, evict_restart. Each keeps its fastest
+    run (the least disturbed by other load) and lists every run's pace."""
+    runs: dict[str, list[dict[str, Any]]] = {"live": [], "live_every_step": [], "evict_restart": []}
+    for _ in range(max(1, repeats)):
+        runs["live"].append(r.steady("live", steps))
+        runs["live_every_step"].append(r.steady("live", steps, quorum_every=1))
+        runs["evict_restart"].append(r.steady("evict_restart", steps))
+    out = {}
+    for name, rs in runs.items():
+        timed = [x for x in rs if x.get("pace_s")]
+        best = min(timed, key=lambda x: x["pace_s"]) if timed else rs[0]
+        out[name] = {**best, "paces_s": [x.get("pace_s") for x in rs]}
+    return out
+
+
+def _ratio(steady: dict[str, dict[str, Any]], live_key: str = "live") -> float | None:
+    """A live job's steady pace over the evict_restart job's (None if either has none)."""
+    live, base = (steady.get(p, {}).get("pace_s") for p in (live_key, "evict_restart"))
+    return round(live / base, 3) if live and base else None
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ from typing import Any
 import yaml
 from sqlalchemy import create_engine, select
 
-from controller.client import VigilClient
 from controller.models import ApiToken
-from controller.probe import wait_for
-from controller.schemas import JobCreate
 from controller.tokens import hash_token
 from ops.localcluster import LocalCluster, free_port, start_local_cluster
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import JobCreate
 
 PROBE_PY = '''
 import json

@@ -11,7 +11,7 @@ The package, by seam (each module holds its commands' handlers and their argpars
 - :mod:`~ops.cli.common` - the CLI's token and controller client.
 
 Every command talks to the controller through the public methods of
-:class:`~controller.client.VigilClient` only. This module builds the parser, dispatches, and turns
+:class:`~vigil.contract.client.VigilClient` only. This module builds the parser, dispatches, and turns
 the controller's 401 and 403 into one line each; the names it re-exports are those other modules and
 tests import from ``ops.cli``.
 """
@@ -23,8 +23,6 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from controller.client import ApiError
-from controller.settings import admin_token_path, get_settings
 from ops.cli import bench, jobs, recovery, services, tokens
 from ops.cli.bench import BENCHMARKS, cmd_bench
 from ops.cli.common import cli_token
@@ -41,6 +39,8 @@ from ops.cli.jobs import (
 from ops.cli.recovery import cmd_evict, cmd_fault, cmd_faults, cmd_incidents, cmd_readmit, cmd_recover
 from ops.cli.services import LOOPBACK_HOSTS, cmd_agent, cmd_controller, cmd_dashboard, cmd_db, cmd_up
 from ops.cli.tokens import cmd_token, parse_expiry
+from vigil.contract.client import ApiError
+from vigil.contract.settings import admin_token_path, get_settings
 
 __all__ = [
     "BENCHMARKS",

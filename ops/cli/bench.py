@@ -15,6 +15,8 @@ BENCHMARKS = {
     "speedup": "vigil.bench.speedup",
     "ingest": "ops.bench.ingest",
     "recovery": "ops.bench.recovery",
+    "stragglers": "ops.bench.stragglers",
+    "adapt": "ops.bench.adapt",
     "chaos": "ops.bench.chaos",
     "dashboard": "ops.bench.dashboard",
     "security": "ops.bench.security",
@@ -34,6 +36,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench`` on ``sub``; its own flags pass through to the benchmark."""
-    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, chaos, speedup, dashboard, security, footprint).",
+    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, stragglers, adapt, chaos, speedup, dashboard, security, footprint).",
                        add_help=False)
     b.add_argument("what")

@@ -7,8 +7,8 @@ import argparse
 
 from pydantic import ValidationError
 
-from controller.client import VigilClient
-from controller.settings import admin_token_path, get_settings
+from vigil.contract.client import VigilClient
+from vigil.contract.settings import admin_token_path, get_settings
 
 
 def cli_token() -> str | None:

@@ -12,10 +12,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from controller.client import ApiError, VigilClient
-from controller.schemas import JobCreate, JobPublic, JobStatus
-from controller.settings import get_settings
 from ops.cli.common import client_for
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.schemas import JobCreate, JobPublic, JobStatus
+from vigil.contract.settings import get_settings
 
 DEMO_JOB = "demo.yaml"
 

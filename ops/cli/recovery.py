@@ -1,6 +1,6 @@
 """Faults and recovery: ``vigil recover | evict | readmit | fault | incidents``.
 
-Each command is one call of :class:`~controller.client.VigilClient`; a refusal of the API is
+Each command is one call of :class:`~vigil.contract.client.VigilClient`; a refusal of the API is
 printed and exits 1, and so is a request the wire schema refuses before it is sent.
 """
 
@@ -13,9 +13,9 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from controller.client import ApiError, VigilClient
-from controller.schemas import FaultCreate, RecoverRequest
 from ops.cli.common import client_for, invalid_request
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.schemas import FaultCreate, RecoverRequest
 
 T = TypeVar("T")
 

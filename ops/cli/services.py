@@ -12,10 +12,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.client import VigilClient
-from controller.schemas import FaultCreate, FaultKind
-from controller.settings import Settings, admin_token_path, get_settings
 from ops.cli.jobs import demo_job_spec, follow_job, load_job_file
+from vigil.contract.client import VigilClient
+from vigil.contract.schemas import FaultCreate, FaultKind
+from vigil.contract.settings import Settings, admin_token_path, get_settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -98,9 +98,9 @@ def worker_app() -> FastAPI:
 
     from controller import tokens
     from controller.app import create_app
-    from controller.schemas import Role
     from controller.tokens import Principal
     from ops.dashboard_mount import mount_dashboard
+    from vigil.contract.schemas import Role
 
     settings = get_settings()
     secret = os.environ.get(_WORKERS_DASHBOARD_SECRET)

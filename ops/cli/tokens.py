@@ -7,9 +7,9 @@ import re
 import sys
 from datetime import UTC, datetime, timedelta
 
-from controller.client import ApiError
-from controller.schemas import Role, TokenCreate
 from ops.cli.common import client_for
+from vigil.contract.client import ApiError
+from vigil.contract.schemas import Role, TokenCreate
 
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}

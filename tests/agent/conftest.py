@@ -16,9 +16,9 @@ import pytest
 
 from controller import migrate
 from controller.db import make_engine, make_session_factory, session_scope
-from controller.schemas import Role, TokenCreate
 from controller.tokens import create_token
-from tests.agent.crash_rig import ControllerProcess
+from tests.harness import ControllerProcess
+from vigil.contract.schemas import Role, TokenCreate
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 database, for the tests that crash a controller or an agent mid-stream (tests/agent and the
 aggregation-process test of tests/controller).
 
-* :class:`ControllerProcess`: ``vigil controller`` (uvicorn) as a child process on a database URL, on
-  a port of its own that ``start()`` reuses after ``kill()`` (SIGKILL) or ``stop()``;
+* :class:`~tests.harness.ControllerProcess` (the tests' one controller process): ``vigil controller`` as a child
+  process on a database URL, on a port of its own that ``start()`` reuses after ``kill()`` or ``stop()``;
 * :func:`submit_job`: a job submitted through its REST API with an admin token;
 * :func:`send_steps`: ranks 0..RANKS-1 report steps through an agent's unix socket as real datagrams,
   CALLS collectives per rank and step;
@@ -18,9 +18,6 @@ the database the controller runs on (PostgreSQL on 127.0.0.1:5432 for the postgr
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -28,60 +25,11 @@ from sqlalchemy import func, select
 
 from controller.db import make_engine
 from controller.models import CollectiveMetric, StepMetric
-from controller.probe import free_port
-from tests.agent.doubles import collective_dict, datagram, send_datagrams, step_dict, wait_for
+from tests.agent.doubles import collective_dict, datagram, send_datagrams, step_dict
+from tests.harness import ControllerProcess
 
-REPO = Path(__file__).resolve().parents[2]
 RANKS = 2
 CALLS = 2  # collectives per rank and step
-
-
-class ControllerProcess:
-    """``vigil controller`` as a child process; ``kill()`` is SIGKILL, ``start()`` reuses the port."""
-
-    def __init__(self, home: Path, url: str) -> None:
-        self.home, self.url_db = home, url
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = dict(os.environ, VIGIL_HOME=str(self.home), VIGIL_DATABASE_URL=self.url_db,
-                   VIGIL_CONTROLLER_URL=self.url, PYTHONPATH=str(REPO), VIGIL_AGGREGATE_SETTLE_S="0.5",
-                   # The samples carry fixed timestamps of long ago: keep their raw rows to count them.
-                   VIGIL_RAW_RETENTION_S=str(10 * 365 * 86400))
-        env.pop("VIGIL_RAY_ADDRESS", None)
-        self.starts += 1
-        log = (self.home / f"controller-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "controller", "--port", str(self.port)],
-                                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-        def up() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, "controller exited"
-            try:
-                return httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, timeout=60, interval=0.1, what="controller up")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 def submit_job(ctl: ControllerProcess, tokens: dict[str, str]) -> str:

@@ -24,8 +24,8 @@ import psutil
 from pydantic import ValidationError
 
 from agent.main import AgentConfig, run_agent
-from controller.probe import wait_for  # the agent tests import it from here
-from controller.schemas import TelemetryAck, TelemetryBatch
+from vigil.contract.probe import wait_for  # the agent tests import it from here
+from vigil.contract.schemas import TelemetryAck, TelemetryBatch
 
 
 class FakeClock:

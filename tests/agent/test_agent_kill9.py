@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from controller.probe import wait_for
-from controller.schemas import StepSample
-from controller.settings import agent_socket_path
-from tests.agent.crash_rig import REPO, ControllerProcess, counts
+from tests.agent.crash_rig import counts
 from tests.agent.crash_rig import submit_job as _submit
+from tests.harness import REPO, ControllerProcess
 from vigil.comm import CollectiveRecord
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import StepSample
+from vigil.contract.settings import agent_socket_path
 from vigil.telemetry import RankTelemetry
 
 RANKS, CALLS, NODE = 2, 2, "node-k9"
@@ -91,7 +92,11 @@ def test_agent_kill9_mid_job_loses_no_sample(setup, db_url: str) -> None:  # typ
         n_steps, _, n_colls, _ = counts(db_url, job)
         assert (n_steps, n_colls) == (want, want * CALLS)
         assert all(tx.dropped_total == 0 for tx in ranks)
-        assert all(tx.replays >= 2 for tx in ranks)  # each restart made them send their window again
+        # A new agent makes a rank send its window again. Each rank sees at least one; seeing both restarts is
+        # not guaranteed on a loaded host (a clean-clone run under -n 2 counted 1 and 22: a rank can first
+        # reach the new agent between its stat and its send); what matters is asserted above: nothing lost,
+        # nothing stored twice
+        assert all(tx.replays >= 1 for tx in ranks), [(tx.replays, tx.sent_total) for tx in ranks]
     finally:
         for tx in ranks:
             tx.close()

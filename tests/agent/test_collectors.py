@@ -21,8 +21,8 @@ from agent.collectors import (
     NicCollector,
 )
 from agent.gpu import GpuCollector
-from controller.link import parse_proc_net_dev
 from tests.agent.doubles import FakeClock
+from vigil.contract.link import parse_proc_net_dev
 
 HEADER = (
     "Inter-|   Receive                                                |  Transmit\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import math
 
+import numpy as np
 import pytest
 from pydantic import TypeAdapter
 
@@ -17,11 +18,11 @@ from agent import columnar
 from agent.receiver import SampleBuffer
 from agent.shipper import Shipper, ShipperConfig
 from agent.spool import Spool
-from controller.client import ApiError
 from controller.columnar import decode, rows
-from controller.schemas import Heartbeat, RankSample, TelemetryAck
 from controller.telemetry import COLLECTIVE_COLUMNS, STEP_COLUMNS
 from tests.agent.doubles import FakeClock, FakeTransport, collective_dict, step_dict
+from vigil.contract.client import ApiError
+from vigil.contract.schemas import Heartbeat, RankSample, TelemetryAck, TelemetryBatch
 
 _SAMPLES = TypeAdapter(list[RankSample])
 
@@ -60,6 +61,20 @@ def test_a_non_finite_loss_travels_as_none() -> None:
     s = _SAMPLES.validate_python([{**step_dict(1), "loss": math.nan}])
     out = columnar.to_batch(columnar.encode("a", "n", 0, 0.0, s)).samples[0]
     assert out.loss is None
+
+
+def test_nan_in_a_column_is_none_after_the_json_fallback_decodes_it() -> None:
+    """A column may carry NaN for None (the bench's columns do): the fallback's samples hold None, by the
+    schema's one rule, and re-encode as JSON null."""
+    s = _SAMPLES.validate_python([step_dict(1), step_dict(2)])
+    table = columnar.StringTable()
+    blk = columnar.block("step", s, table)
+    for name in ("loss", "lr", "val_loss"):
+        blk.columns[name] = np.array([math.nan, math.inf], "<f8").tobytes()
+    header = TelemetryBatch(agent_id="a", node_id="n", seq=0, sent_at=0.0).model_dump_json().encode()
+    out = columnar.to_batch(columnar.encode_blocks(header, table.strings, blk, None))
+    assert [(x.loss, x.lr, x.val_loss) for x in out.samples] == [(None, None, None)] * 2
+    assert '"loss":null' in out.model_dump_json()
 
 
 class ColumnarFake(FakeTransport):

@@ -29,9 +29,9 @@ import pytest
 from agent.commands import CORRUPTION, CommandExecutor, ExecutorConfig, live_process
 from agent.main import Agent, AgentConfig
 from agent.receiver import RankTracker
-from controller.schemas import CommandKind, StepSample, slugify
 from tests.agent.doubles import state, step_dict, wait_for
 from tests.live_controller import step_sample
+from vigil.contract.schemas import CommandKind, StepSample, slugify
 
 BUSY = "import time\nwhile True:\n    pass\n"
 SLEEPY = textwrap.dedent(
@@ -243,7 +243,7 @@ def test_fault_file_is_written_where_the_rank_looks(executor, tmp_path):
 
 @pytest.mark.parametrize("job_id", ["job_0123abcd", "../../etc", "a b/c"])
 def test_the_agent_writes_the_fault_file_where_the_trainer_reads_it(executor, tmp_path, job_id):
-    from controller.settings import fault_file_path
+    from vigil.contract.settings import fault_file_path
 
     r = executor.run(CommandKind.WRITE_FAULT_FILE, {"job_id": job_id, "rank": 7, "fault": {}})
     assert r.ok and Path(r.output["path"]) == fault_file_path(tmp_path / "run", job_id, 7)
@@ -260,6 +260,24 @@ def test_a_fault_the_rank_already_took_is_not_written_again(executor, tmp_path):
     assert r.ok and r.output["fired"] and not path.exists()
     other = {**args, "fault": {"kind": "nan_loss", "step": 50, "fault_id": 10}}  # a new fault is written
     assert executor.run(CommandKind.WRITE_FAULT_FILE, other).ok and path.exists()
+
+
+def test_the_adapt_file_holds_every_version_and_is_rewritten_whole(executor, tmp_path):
+    """recovery.policy adapt: the rank's adapt file beside its fault file, replaced whole with each new list of
+    versions (never a one-shot: the same body again is simply written again); an unknown file kind is refused."""
+    from vigil.contract.settings import adapt_file_path
+
+    v1 = {"versions": [{"version": 1, "params": {"tau": 16}}]}
+    args = {"job_id": "job_1", "rank": 2, "file": "adapt", "fault": v1}
+    r = executor.run(CommandKind.WRITE_FAULT_FILE, args)
+    path = adapt_file_path(tmp_path / "run", "job_1", 2)
+    assert r.ok and Path(r.output["path"]) == path and json.loads(path.read_text()) == v1
+    v2 = {"versions": [*v1["versions"], {"version": 2, "params": {}}]}
+    assert executor.run(CommandKind.WRITE_FAULT_FILE, {**args, "fault": v2}).ok
+    assert json.loads(path.read_text()) == v2 and not (path.parent / "rank-2.json").exists()
+    assert executor.run(CommandKind.WRITE_FAULT_FILE, {**args, "fault": v2}).ok
+    bad = executor.run(CommandKind.WRITE_FAULT_FILE, {**args, "file": "../x"})
+    assert not bad.ok and "file" in bad.message and json.loads(path.read_text()) == v2
 
 
 def make_checkpoint(folder: Path) -> dict[str, bytes]:

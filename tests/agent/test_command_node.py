@@ -24,8 +24,8 @@ import pytest
 from agent.commands import CommandExecutor, ExecutorConfig
 from agent.main import AgentConfig, run_agent
 from agent.receiver import process_alive
-from controller.schemas import CommandKind
 from tests.agent.doubles import datagram, gone, send_datagrams, socket_ready, step_dict, wait_for
+from vigil.contract.schemas import CommandKind
 
 # --------------------------------------------------------------------------------------------------
 # raylet stand-ins: stop / start / kill_node

@@ -28,11 +28,11 @@ import pytest
 from sqlalchemy import delete, update
 
 from agent.commands import ClientCommandTransport, CommandExecutor, CommandLoop, CommandRunner, ExecutorConfig
-from controller.client import VigilClient
 from controller.db import session_scope
 from controller.models import NodeCommandRow
-from controller.schemas import CommandKind, CommandResult, CommandStatus, Role
 from tests.live_controller import LiveController, step_sample
+from vigil.contract.client import VigilClient
+from vigil.contract.schemas import CommandKind, CommandResult, CommandStatus, Role
 
 NODE = "vigil-node-1"
 OTHER = "vigil-node-2"
@@ -337,7 +337,7 @@ def test_the_loop_polls_every_interval_and_again_at_once_after_a_command(queue):
 
 
 def test_client_methods_speak_the_documented_routes(queue):
-    """controller.client: the two agent-role methods, on the wire, against the real routes."""
+    """vigil.contract.client: the two agent-role methods, on the wire, against the real routes."""
     cid = queue.add("hang_rank", rank=3)  # stop_pid of the rank's pid
     seen: list[tuple[str, str, bytes]] = []
     real = httpx.HTTPTransport()

@@ -23,9 +23,10 @@ from sqlalchemy import func, select
 from agent.main import AgentConfig
 from controller.db import make_engine
 from controller.models import JobStepStat, Node, StepMetric, TelemetryDirtyStep
-from tests.agent.crash_rig import RANKS, ControllerProcess, counts, expect, send_steps
+from tests.agent.crash_rig import RANKS, counts, expect, send_steps
 from tests.agent.crash_rig import submit_job as _submit
 from tests.agent.doubles import AgentThread, wait_for
+from tests.harness import ControllerProcess
 
 
 def _agent(ctl: ControllerProcess, token: str, run_dir: Path, **kw: object) -> AgentConfig:

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from agent.commands.errors import CommandError
 from agent.commands.raylet import RayletLocator, discover_node_id
 from agent.main import build_parser, config_from_args
-from controller.probe import wait_for
 from ops.agentkeeper import raylet_running
+from vigil.contract.probe import wait_for
 
 STANDIN = "#!{python}\nimport time; time.sleep(600)\n"
 

@@ -32,17 +32,18 @@ from agent.config import AgentConfig
 from agent.failover import FailoverClient
 from agent.main import build_parser, config_from_args
 from controller import migrate
-from controller.client import ApiError, VigilClient
 from controller.db import make_engine, make_session_factory, session_scope
 from controller.models import NodeCommandRow, StepMetric
-from controller.probe import free_port
 from controller.recovery.commands import enqueue
-from controller.schemas import CommandKind, JobCreate, Role, TokenCreate
-from controller.settings import get_settings
 from controller.tokens import create_token
-from tests.agent.crash_rig import ControllerProcess, counts, expect, send_steps
+from tests.agent.crash_rig import counts, expect, send_steps
 from tests.agent.doubles import AgentThread, datagram, send_datagrams, step_dict, wait_for
+from tests.harness import ControllerProcess
 from tests.live_controller import LiveController
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.probe import free_port
+from vigil.contract.schemas import CommandKind, JobCreate, Role, TokenCreate
+from vigil.contract.settings import get_settings
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,8 +16,8 @@ import pytest
 
 from agent import netfaults
 from agent.netfaults import LinkCollector, NetFaults
-from controller.link import LinkSpec, shape_commands
 from controller.recovery import nic
+from vigil.contract.link import LinkSpec, shape_commands
 
 NS = "vigil-abc123-n1"
 

@@ -22,8 +22,8 @@ from agent.receiver import (
     SampleBuffer,
     process_alive,
 )
-from controller.schemas import CollectiveSample, StepSample
 from tests.agent.doubles import FakeClock, collective_dict, datagram, send_datagrams, step_dict, wait_for
+from vigil.contract.schemas import CollectiveSample, StepSample
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import pytest
 from agent.receiver import SampleBuffer
 from agent.shipper import Shipper, ShipperConfig
 from agent.spool import Spool
-from controller.client import ApiError
-from controller.schemas import MAX_TELEMETRY_ITEMS, Heartbeat, StepSample
 from tests.agent.doubles import FakeClock, FakeTransport, step_dict
+from vigil.contract.client import ApiError
+from vigil.contract.schemas import MAX_TELEMETRY_ITEMS, Heartbeat, StepSample
 
 DOWN = httpx.ConnectError("[Errno 111] Connection refused")
 

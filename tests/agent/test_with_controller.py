@@ -21,11 +21,11 @@ import psutil
 import pytest
 
 from agent.main import AgentConfig
-from controller.client import VigilClient
-from controller.schemas import JobCreate
 from tests.agent.doubles import AgentThread, collective_dict, datagram, send_datagrams, step_dict, wait_for
 from tests.auth import issue_token
 from tests.live_controller import LiveController
+from vigil.contract.client import VigilClient
+from vigil.contract.schemas import JobCreate
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,7 +106,7 @@ def test_commands_from_the_controller_are_carried_out_and_answered_once(short_di
     from controller.db import session_scope
     from controller.models import NodeCommandRow, StackDump
     from controller.recovery.commands import enqueue
-    from controller.schemas import CommandKind
+    from vigil.contract.schemas import CommandKind
 
     ctl = live_controller
     rank = subprocess.Popen([sys.executable, "-c", STUCK_RANK])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from controller.launcher import LaunchError, LaunchStatus
-from controller.schemas import JobCreate, JobStatus
+from vigil.contract.schemas import JobCreate, JobStatus
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Telemetry samples as ranks send them, for the controller tests: the one step-sample and the one
-collective-sample factory (wire dicts of :mod:`controller.schemas`), and a random run built from them.
+collective-sample factory (wire dicts of :mod:`vigil.contract.schemas`), and a random run built from them.
 
 * :data:`KINDS`: the two collective kinds (op, group, tag) ``coll_sample`` alternates between by call seq;
 * :func:`step_sample`, :func:`coll_sample`: one sample of a rank at a step (a world of 4 ranks);

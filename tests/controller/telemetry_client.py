@@ -1,7 +1,7 @@
 """The real app in process and its ingest driven as agents drive it, for the controller tests.
 
 * :func:`make_client`: ``create_app`` (no background loops) on a database URL, as a TestClient holding
-  an admin token; ``**settings`` override :class:`controller.settings.Settings`;
+  an admin token; ``**settings`` override :class:`vigil.contract.settings.Settings`;
 * :func:`create_job`: a job of 100 steps, its id;
 * telemetry batches: :func:`post` (gzipped JSON, optionally with a heartbeat), :func:`post_json` (plain
   JSON), :func:`columnar` (the columnar format, encoded by the agent's own encoder) and
@@ -23,19 +23,18 @@ from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 
 from agent.columnar import encode
-from controller.app import create_app
-from controller.schemas import RankSample
-from controller.schemas.columnar import CONTENT_TYPE
-from controller.settings import Settings
 from tests.auth import bearer, issue_token
+from tests.harness import build_app, settings_for
+from vigil.contract.schemas import RankSample
+from vigil.contract.schemas.columnar import CONTENT_TYPE
 
 API = "/api/v1"
 _SAMPLES: TypeAdapter[list[Any]] = TypeAdapter(list[RankSample])
 
 
 def make_client(db_url: str, tmp_path: Path, **settings: Any) -> TestClient:
-    s = Settings(home=tmp_path, database_url=db_url, max_body_bytes=4 << 20, aggregate_settle_s=2.0, **settings)
-    app = create_app(s, None, background=False)
+    s = settings_for(tmp_path, db_url, max_body_bytes=4 << 20, aggregate_settle_s=2.0, **settings)
+    app = build_app(s, launcher=None)
     return TestClient(app, headers=bearer(issue_token(app, "admin")))
 
 
@@ -72,7 +71,7 @@ def post_columnar(client: TestClient, body: bytes, gz: bool = True) -> Any:
 
 def columnar(client: TestClient, samples: list[dict[str, Any]], seq: int, agent: str = "agent-a",
              node: str = "node-a", heartbeat: dict[str, Any] | None = None) -> dict[str, Any]:
-    from controller.schemas import Heartbeat
+    from vigil.contract.schemas import Heartbeat
 
     hb = Heartbeat.model_validate(heartbeat) if heartbeat else None
     r = post_columnar(client, encode(agent, node, seq, time.time(), _SAMPLES.validate_python(samples), hb))

@@ -21,11 +21,11 @@ from controller.aggregation_process import AggregationProcess
 from controller.app import aggregation_process
 from controller.db import make_engine, make_session_factory, session_scope
 from controller.models import JobStepStat
-from controller.probe import wait_for
-from controller.schemas import Role, TokenCreate
-from controller.settings import Settings
 from controller.tokens import create_token
-from tests.agent.crash_rig import ControllerProcess
+from tests.harness import ControllerProcess
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import Role, TokenCreate
+from vigil.contract.settings import Settings
 
 API = "/api/v1"
 

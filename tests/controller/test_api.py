@@ -18,15 +18,14 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from controller.app import create_app
 from controller.db import session_scope
 from controller.launcher import LaunchStatus
 from controller.models import CollectiveMetric, Event, Job, StepMetric, TelemetryBatchSeen
-from controller.schemas import JobStatus
-from controller.settings import Settings
-from tests.auth import bearer, issue_token
+from tests.auth import bearer
 from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, in_process, settings_for
 from tests.live_controller import LiveController
+from vigil.contract.schemas import JobStatus
 
 API = "/api/v1"
 
@@ -38,9 +37,7 @@ def launcher() -> FakeLauncher:
 
 @pytest.fixture
 def client(db_url: str, tmp_path: Path, launcher: FakeLauncher) -> Iterator[TestClient]:
-    settings = Settings(home=tmp_path, database_url=db_url, max_body_bytes=256 * 1024)
-    app = create_app(settings, launcher, background=False)
-    with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
+    with in_process(build_app(settings_for(tmp_path, db_url, max_body_bytes=256 * 1024), launcher=launcher)) as c:
         yield c
 
 

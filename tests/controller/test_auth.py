@@ -19,7 +19,6 @@ from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select, text, update
 
-from controller.app import create_app
 from controller.auth import (
     METRICS,
     NODE_ACTIONS,
@@ -33,19 +32,18 @@ from controller.auth import (
 )
 from controller.db import session_scope
 from controller.models import ApiToken, Job
-from controller.schemas import Role
-from controller.settings import Settings, admin_token_path
-from ops.dashboard_mount import mount_dashboard
 from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, settings_for
+from vigil.contract.schemas import Role
+from vigil.contract.settings import admin_token_path
 
 API = "/api/v1"
 CALLERS = ("none", "revoked", "expired", "admin", "user", "agent", "viewer", "job")
 
 
 def _app(db_url: str, home: Path, launcher: FakeLauncher | None = None, **settings: Any) -> FastAPI:
-    s = Settings(home=home, database_url=db_url, **settings)
-    return create_app(s, launcher or FakeLauncher(), background=False, mounts=[mount_dashboard])
+    return build_app(settings_for(home, db_url, **settings), launcher=launcher or FakeLauncher(), dashboard=True)
 
 
 def _expire(app: FastAPI, token: str) -> None:

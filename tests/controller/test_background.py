@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from controller.background import BackgroundLoop
-from controller.probe import wait_for
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.probe import wait_for
 
 
 class Counter(BackgroundLoop):
@@ -60,7 +60,7 @@ def test_a_backlog_runs_back_to_back() -> None:
 
 def test_a_failed_pass_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     loop = Counter(interval=0.01, fail_first=True)
-    with caplog.at_level(logging.ERROR, logger="controller.background"):
+    with caplog.at_level(logging.ERROR, logger="vigil.contract.background"):
         loop.start()
         try:
             wait_for(lambda: loop.passes >= 3, 5, "passes after the failure")

@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 
-from controller.app import create_app
 from controller.auth import ensure_admin_token
-from controller.client import ApiError, VigilClient
-from controller.schemas import JobCreate
-from controller.settings import Settings, admin_token_path, get_settings
 from ops import cli
-from tests.dashboard.harness import start_live_server
+from tests.harness import build_app, serve, settings_for
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.schemas import JobCreate
+from vigil.contract.settings import admin_token_path, get_settings
 
 
 @pytest.fixture
@@ -41,11 +40,10 @@ def controller(env: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
     apps: list[Any] = []
 
     def make(url: str) -> Any:
-        settings = Settings(home=env, database_url=f"sqlite:///{env / 'vigil.db'}", controller_url=url)
-        apps.append(create_app(settings, None, background=False))
+        apps.append(build_app(settings_for(env, controller_url=url), launcher=None))
         return apps[-1]
 
-    server = start_live_server(make)
+    server = serve(make)
     monkeypatch.setenv("VIGIL_CONTROLLER_URL", server.url)
     get_settings.cache_clear()
     try:

@@ -13,12 +13,10 @@ from typing import Any
 
 import pytest
 
-from controller.app import create_app
-from controller.settings import Settings, get_settings
 from ops import cli
 from tests.auth import bearer, issue_token
-from tests.controller.fakes import FakeLauncher
-from tests.dashboard.harness import start_live_server
+from tests.harness import build_app, serve, settings_for
+from vigil.contract.settings import get_settings
 
 
 @pytest.fixture
@@ -28,11 +26,10 @@ def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str,
     apps: list[Any] = []
 
     def make(url: str) -> Any:
-        settings = Settings(home=home, database_url=f"sqlite:///{home / 'vigil.db'}", controller_url=url)
-        apps.append(create_app(settings, FakeLauncher(), background=False))
+        apps.append(build_app(settings_for(home, controller_url=url)))
         return apps[-1]
 
-    server = start_live_server(make)
+    server = serve(make)
     monkeypatch.setenv("VIGIL_CONTROLLER_URL", server.url)
     monkeypatch.setenv("VIGIL_TOKEN", issue_token(apps[0], "user"))
     get_settings.cache_clear()
@@ -54,7 +51,7 @@ def test_fault_incidents_recover_evict_readmit(live: tuple[str, Any], capsys: py
     app.state.supervisor.step()  # launched (fake)
     with app.state.sessions() as s:  # the engine says it runs
         from controller.jobs import get_job, transition
-        from controller.schemas import JobStatus
+        from vigil.contract.schemas import JobStatus
 
         transition(s, get_job(s, job_id), JobStatus.RUNNING)
         s.commit()

@@ -1,4 +1,4 @@
-"""controller.client: the typed methods of the recovery routes (faults, incidents, checkpoints, stacks,
+"""vigil.contract.client: the typed methods of the recovery routes (faults, incidents, checkpoints, stacks,
 manual recovery, eviction) against a live controller over real HTTP; each answers its wire model.
 
 Needs: uvicorn on 127.0.0.1 (a port the OS picks), SQLite in tmp_path. No Ray: the launcher is a
@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from controller.app import create_app
-from controller.client import ApiError, VigilClient
-from controller.schemas import (
+from tests.auth import issue_token
+from tests.harness import build_app, serve, settings_for
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.schemas import (
     FaultCreate,
     FaultKind,
     FaultStatus,
@@ -26,10 +27,6 @@ from controller.schemas import (
     NodeState,
     RecoverRequest,
 )
-from controller.settings import Settings
-from tests.auth import issue_token
-from tests.controller.fakes import FakeLauncher
-from tests.dashboard.harness import start_live_server
 
 NODE = "vigil-node-1"
 
@@ -40,11 +37,10 @@ def running(tmp_path: Path) -> Iterator[tuple[VigilClient, str]]:
     apps: list[Any] = []
 
     def make(url: str) -> Any:
-        settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'vigil.db'}", controller_url=url)
-        apps.append(create_app(settings, FakeLauncher(), background=False))
+        apps.append(build_app(settings_for(tmp_path, controller_url=url)))
         return apps[-1]
 
-    server = start_live_server(make)
+    server = serve(make)
     app = apps[0]
     try:
         with VigilClient(server.url, token=issue_token(app, "admin")) as client:

@@ -37,11 +37,12 @@ from controller.models import (
     TelemetryBatchSeen,
     TelemetryDirtyStep,
 )
-from controller.schemas import CollectiveSample, StepSample
-from controller.schemas.columnar import ColumnBlock, column_specs
+from controller.telemetry import STEP_COLUMNS, STEP_NOT_STORED, newest_step_lowest_rank
 from tests.controller.samples import coll_sample, step_sample
 from tests.controller.telemetry_client import columnar, make_client, post_columnar
 from tests.live_controller import checkpoint_path
+from vigil.contract.schemas import CollectiveSample, StepSample
+from vigil.contract.schemas.columnar import ColumnBlock, column_specs
 
 API = "/api/v1"
 
@@ -129,6 +130,21 @@ def test_a_columnar_batch_stores_what_the_json_batch_stores(client: TestClient) 
         assert s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.job_id == c_job)) == 1
         node = s.get(Node, "node-a")
         assert node is not None and node.hostname == "h" and node.last_heartbeat is not None
+
+
+def test_the_step_record_is_declared_once() -> None:
+    """``step_metrics`` holds exactly the sample's stored fields (STEP_COLUMNS, derived from StepSample), plus
+    its own id and the batch's node; the fields left out are named, not forgotten."""
+    assert set(STEP_COLUMNS) | STEP_NOT_STORED == set(StepSample.model_fields)
+    # The table in the sample's order.
+    assert [c.name for c in StepMetric.__table__.columns if c.name not in ("id", "node_id")] == list(STEP_COLUMNS)
+    assert set(column_specs("step")) >= set(STEP_COLUMNS)  # every stored field travels as a column
+
+
+def test_the_newest_step_lowest_rank_is_chosen_once_for_both_formats() -> None:
+    job = np.array(["b", "a", "a", "b", "a"])
+    assert newest_step_lowest_rank(job, np.array([3, 5, 5, 3, 4]), np.array([1, 2, 0, 0, 9])) == [2, 3]
+    assert newest_step_lowest_rank(np.array([], dtype=np.uint32), np.array([]), np.array([])) == []
 
 
 def test_nan_loss_is_stored_as_null_and_defaults_fill_left_out_columns(client: TestClient) -> None:
@@ -397,8 +413,8 @@ def test_fuzz_columnar_validation_agrees_with_the_schema(client: TestClient) -> 
 def test_the_ingest_benchmark_sends_the_same_samples_in_both_formats() -> None:
     """``vigil bench ingest --format columnar`` measures the same load as ``--format json``."""
     from agent.columnar import to_batch
-    from controller.schemas import TelemetryBatch
     from ops.bench.ingest import build_bodies, build_columnar_bodies
+    from vigil.contract.schemas import TelemetryBatch
 
     def key(s: Any) -> tuple[Any, ...]:
         return (s.kind, s.rank, s.step, getattr(s, "seq", -1))

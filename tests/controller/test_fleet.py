@@ -17,9 +17,9 @@ from controller.agent_host import EXIT_NODE_KILLED, AgentHost
 from controller.db import session_scope
 from controller.fleet import AgentFleet, agent_fleet
 from controller.models import ApiToken, Event
-from controller.probe import wait_for
-from controller.settings import Settings
 from controller.tokens import authenticate
+from vigil.contract.probe import wait_for
+from vigil.contract.settings import Settings
 
 
 class FakeDriver:

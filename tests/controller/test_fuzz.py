@@ -20,10 +20,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.schemas import APIOperation
 
-from controller.app import create_app
-from controller.settings import Settings
 from tests.auth import bearer, issue_token
-from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, settings_for
 
 EXAMPLES = {GenerationMode.POSITIVE: 100, GenerationMode.NEGATIVE: 30}
 BUDGET_S = 25.0
@@ -39,8 +37,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_openapi_fuzz_finds_no_server_error(db_url: str, tmp_path: Path) -> None:
-    app = create_app(Settings(home=tmp_path, database_url=db_url, max_body_bytes=256 * 1024), FakeLauncher(),
-                     background=False)
+    app = build_app(settings_for(tmp_path, db_url, max_body_bytes=256 * 1024))
     headers = bearer(issue_token(app, "admin"))
     schema = schemathesis.openapi.from_asgi("/api/v1/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from controller.jobs import IllegalTransition, create_job, transition
 from controller.models import Base, Event
-from controller.schemas import JobCreate, JobStatus
+from vigil.contract.schemas import JobCreate, JobStatus
 
 LEGAL = {
     (JobStatus.PENDING, JobStatus.RUNNING), (JobStatus.PENDING, JobStatus.FAILED),

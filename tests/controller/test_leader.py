@@ -28,8 +28,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from controller.app import create_app
-from controller.background import BackgroundLoop
 from controller.db import make_engine, make_session_factory, session_scope
 from controller.leader import (
     LOCK_KEY,
@@ -40,10 +38,11 @@ from controller.leader import (
     default_controller_id,
 )
 from controller.models import Event
-from controller.probe import wait_for
 from controller.recovery.monitor import Monitor
-from controller.settings import Settings
-from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, in_process, settings_for
+from vigil.contract.background import BackgroundLoop
+from vigil.contract.probe import wait_for
+from vigil.contract.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 API = "/api/v1"
@@ -185,8 +184,8 @@ def test_the_monitor_counts_silence_from_when_it_started_leading(sqlite_sessions
 
 
 def test_healthz_on_sqlite_says_leader(tmp_path: Path, sqlite_url: str) -> None:
-    app = create_app(Settings(home=tmp_path, database_url=sqlite_url), FakeLauncher(), background=False)
-    with TestClient(app) as c:
+    app = build_app(settings_for(tmp_path, sqlite_url))
+    with in_process(app, role=None) as c:
         assert c.get(f"{API}/healthz").json() == {"status": "ok", "database": "sqlite", "version": app.version,
                                                    "leader": True}
 
@@ -195,8 +194,7 @@ def test_two_apps_on_one_sqlite_file_have_one_leader(tmp_path: Path, sqlite_url:
     """``vigil controller --workers N`` on SQLite: every worker is an app on the same file; the file lock
     lets one run the loops, and another takes over when it stops."""
     def app(name: str) -> Any:
-        return create_app(Settings(home=tmp_path / name, database_url=sqlite_url, leader_interval_s=INTERVAL),
-                          FakeLauncher())
+        return build_app(settings_for(tmp_path / name, sqlite_url, leader_interval_s=INTERVAL), background=True)
 
     a, b = app("a"), app("b")
     assert isinstance(a.state.leadership.lock, FileLock)
@@ -300,7 +298,7 @@ def test_a_holder_killed_with_sigkill_frees_the_lock(postgres_url: str) -> None:
 def _app(tmp_path: Path, url: str, name: str) -> Any:
     settings = Settings(home=tmp_path / name, database_url=url, leader_interval_s=INTERVAL, controller_id=name,
                         monitor_interval_s=0.2)
-    return create_app(settings, FakeLauncher(), background=True)
+    return build_app(settings, background=True)
 
 
 def _loops(app: Any) -> list[bool]:
@@ -342,8 +340,14 @@ def test_two_controllers_one_leader_and_the_standby_takes_over(tmp_path: Path, p
         # The old leader, a standby now, takes the lock back.
         wait_for(lambda: _leading(app_a), 5, "the first controller to lead again", 0.05)
         sessions = app_a.state.sessions
-        leaders = [e.data["controller_id"] for e in _events(sessions, "controller_leader")]
-        assert leaders == ["ctl-a", "ctl-b", "ctl-a"]
+
+        def leaders() -> list[str]:
+            return [e.data["controller_id"] for e in _events(sessions, "controller_leader")]
+
+        # The event is written just after the loops start and leader_since is set (a second commit):
+        # wait for it rather than read in between (seen in CI).
+        wait_for(lambda: len(leaders()) >= 3, 5, "the third controller_leader event", 0.05)
+        assert leaders() == ["ctl-a", "ctl-b", "ctl-a"]
         assert [e.data["controller_id"] for e in _events(sessions, "controller_leader_lost")] == ["ctl-a"]
     assert _lock_holders(postgres_url) == []  # the apps' shutdown gave it up
 
@@ -353,7 +357,7 @@ def test_each_monitor_pass_is_timed_on_metrics(tmp_path: Path, sqlite_url: str) 
     benchmark checks that detection keeps its pace during a flood of telemetry."""
     from tests.auth import bearer, issue_token
 
-    app = create_app(Settings(home=tmp_path, database_url=sqlite_url), FakeLauncher(), background=False)
+    app = build_app(settings_for(tmp_path, sqlite_url))
 
     def count(text: str) -> float:
         return next(float(line.split()[-1]) for line in text.splitlines()

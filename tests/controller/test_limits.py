@@ -19,12 +19,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, inspect, select
 
-from controller.app import create_app
 from controller.models import Event, Job, Node, StepMetric, TelemetryBatchSeen
-from controller.schemas import INT32_MAX, MAX_TELEMETRY_ITEMS, slugify
-from controller.settings import Settings
-from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, in_process, settings_for
+from vigil.contract.schemas import INT32_MAX, MAX_TELEMETRY_ITEMS, slugify
 
 API = "/api/v1"
 LIMIT = 64 * 1024
@@ -32,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _client(db_url: str, home: Path, **settings: Any) -> Iterator[TestClient]:
-    app = create_app(Settings(home=home, database_url=db_url, **settings), FakeLauncher(), background=False)
-    with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
+    with in_process(build_app(settings_for(home, db_url, **settings))) as c:
         yield c
 
 

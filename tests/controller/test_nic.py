@@ -16,15 +16,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from controller.app import create_app
 from controller.launcher import LaunchStatus
 from controller.models import Job
 from controller.recovery.monitor import Monitor
 from controller.recovery.nic import NicDetector, NicFinding, incidents, observe, primary_interface
-from controller.schemas import IncidentKind, JobStatus
-from controller.settings import Settings
-from tests.auth import bearer, issue_token
-from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, in_process, settings_for
+from vigil.contract.schemas import IncidentKind, JobStatus
 
 API = "/api/v1"
 NODES = ["vigil-node-1", "vigil-node-2", "vigil-node-3", "vigil-node-4"]
@@ -76,9 +73,8 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
-    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
-    app = create_app(settings, FakeLauncher(), background=False)
-    with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
+    app = build_app(settings_for(tmp_path))
+    with in_process(app) as c:
         spec = {"name": "nic", "steps": 10000, "scaling": {"min_workers": 4, "max_workers": 4},
                 "recovery": {"policy": "observe"}}
         yield Rig(c, app, c.post(f"{API}/jobs", json=spec).json()["id"])

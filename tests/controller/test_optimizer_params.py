@@ -1,4 +1,4 @@
-"""``optimizer.params`` validated with the job spec (controller/optimizer_params.py): unit tests of the
+"""``optimizer.params`` validated with the job spec (vigil/contract/optimizer_params.py): unit tests of the
 parse, and the REST API refusing bad params with 422 before anything is stored.
 
 Needs: nothing outside this process (the API tests use SQLite and a fake launcher; no torch).
@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from controller.app import create_app
 from controller.models import Event, Job
-from controller.optimizer_params import (
+from tests.harness import build_app, in_process, settings_for
+from vigil.contract.optimizer_params import (
     KIND_DEFAULTS,
     PARAMS_BY_KIND,
     SDP4BIT_VARIANTS,
@@ -27,10 +27,7 @@ from controller.optimizer_params import (
     SDP4BitParams,
     parse_optimizer_params,
 )
-from controller.schemas import OptimizerKind, OptimizerSpec
-from controller.settings import Settings
-from tests.auth import bearer, issue_token
-from tests.controller.fakes import FakeLauncher
+from vigil.contract.schemas import OptimizerKind, OptimizerSpec
 
 API = "/api/v1"
 
@@ -117,9 +114,7 @@ def test_messages_say_the_rule() -> None:
 
 @pytest.fixture
 def client(sqlite_url: str, tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(home=tmp_path, database_url=sqlite_url)
-    app = create_app(settings, FakeLauncher(), background=False)
-    with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
+    with in_process(build_app(settings_for(tmp_path, sqlite_url))) as c:
         yield c
 
 

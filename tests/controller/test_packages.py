@@ -21,7 +21,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from controller.app import create_app
 from controller.launcher import LaunchError, RayJobLauncher
 from controller.models import Job
 from controller.packages import (
@@ -31,10 +30,10 @@ from controller.packages import (
     store_package,
     validate_package,
 )
-from controller.schemas import JobCreate
-from controller.settings import Settings
 from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, settings_for
+from vigil.contract.schemas import JobCreate
 
 API = "/api/v1"
 ZIP = {"Content-Type": "application/zip"}
@@ -173,8 +172,7 @@ def test_store_is_content_addressed_and_idempotent(tmp_path: Path) -> None:
 
 
 def _app(db_url: str, home: Path, launcher: FakeLauncher | None = None, **settings: Any):  # type: ignore[no-untyped-def]
-    return create_app(Settings(home=home, database_url=db_url, **settings), launcher or FakeLauncher(),
-                      background=False)
+    return build_app(settings_for(home, db_url, **settings), launcher=launcher or FakeLauncher())
 
 
 @pytest.fixture

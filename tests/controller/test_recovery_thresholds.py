@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from controller.app import create_app
 from controller.launcher import LaunchStatus
 from controller.recovery.monitor import Monitor
-from controller.schemas import JobStatus, RecoveryThresholds
-from controller.settings import Settings
 from tests.auth import bearer, issue_token
 from tests.controller.fakes import FakeLauncher
 from tests.controller.recovery_env import Clock, Env, FakeCluster
+from tests.harness import build_app, settings_for
+from vigil.contract.schemas import JobStatus, RecoveryThresholds
 
 API = "/api/v1"
 BASE = {"name": "t", "steps": 1000, "scaling": {"min_workers": 2, "max_workers": 2}}
@@ -27,9 +26,8 @@ BASE = {"name": "t", "steps": 1000, "scaling": {"min_workers": 2, "max_workers":
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Env]:
-    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
     launcher, cluster, clock = FakeLauncher(), FakeCluster(), Clock()
-    app = create_app(settings, launcher, cluster=cluster, background=False)
+    app = build_app(settings_for(tmp_path), launcher=launcher, cluster=cluster)
     app.state.monitor = Monitor(app.state.sessions, launcher, cluster, clock=clock)
     with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
         yield Env(c, app.state.monitor, clock, cluster, launcher)
@@ -48,10 +46,11 @@ def start(env: Env, recovery: dict) -> str:
 
 def test_defaults_are_the_documented_ones() -> None:
     assert RecoveryThresholds().model_dump() == {
-        "death_grace_s": 1.5, "hang_k": 10.0, "hang_floor_s": 15.0, "stack_wait_s": 10.0, "straggler_ratio": 1.7,
+        "death_grace_s": 1.5, "hang_k": 10.0, "hang_floor_s": 15.0, "collective_hang_k": 4.0,
+        "collective_hang_floor_s": 5.0, "stack_wait_s": 10.0, "straggler_ratio": 1.7,
         "straggler_own_ratio": 1.4, "straggler_step_ratio": 1.2, "straggler_k": 6, "straggler_m": 10,
         "straggler_min_excess_s": 0.025, "straggler_min_share": 0.25, "checkpoint_settle_s": 0.25,
-        "spike_ratio": 3.0, "drain_deadline_s": 5.0, "restart_gap_s": 5.0}
+        "fail_slow_ratio": 1.1, "fail_slow_change": 1.08, "fail_slow_restart_s": 60.0, "spike_ratio": 3.0, "drain_deadline_s": 5.0, "restart_gap_s": 5.0}
     for name, f in RecoveryThresholds.model_fields.items():
         assert f.description, name
         bounds = {type(m).__name__ for m in f.metadata}
@@ -67,6 +66,10 @@ def test_a_submitted_job_carries_its_thresholds_with_defaults_filled_in(rig: Env
 @pytest.mark.parametrize(("thresholds", "field"), [
     ({"hang_k": 0}, "hang_k"),
     ({"hang_floor_s": -1}, "hang_floor_s"),
+    ({"collective_hang_floor_s": 0.1}, "collective_hang_floor_s"),
+    ({"collective_hang_k": 0.5}, "collective_hang_k"),
+    ({"fail_slow_ratio": 1.0}, "fail_slow_ratio"),
+    ({"fail_slow_restart_s": -5}, "fail_slow_restart_s"),
     ({"straggler_min_share": 1.5}, "straggler_min_share"),
     ({"straggler_ratio": 0.5}, "straggler_ratio"),
     ({"straggler_m": 0}, "straggler_m"),
@@ -137,3 +140,31 @@ def test_a_rank_slow_for_most_of_its_past_is_an_imbalance_not_a_new_straggler(ri
     rig.steps(21, 200, compute={1: 0.2})  # slower than its peer for 180 of its 200 steps
     rig.monitor.step()
     assert rig.incidents() == []
+
+
+@pytest.mark.parametrize("value", [0, -1, 1001, 2.5, "often"])
+def test_a_bad_quorum_every_steps_is_422_naming_the_field_and_stores_nothing(rig: Env, value: object) -> None:
+    r = rig.client.post(f"{API}/jobs", json={**BASE, "recovery": {"policy": "live", "quorum_every_steps": value}})
+    assert r.status_code == 422, r.text
+    assert [".".join(str(x) for x in e["loc"]) for e in r.json()["detail"]] == ["body.recovery.quorum_every_steps"]
+    assert rig.client.get(f"{API}/jobs").json()["count"] == 0
+
+
+def test_a_live_job_carries_its_quorum_interval_with_the_default_filled_in(rig: Env) -> None:
+    from vigil.contract.schemas.jobs import DEFAULT_QUORUM_EVERY_STEPS
+
+    job_id = start(rig, {"policy": "observe"})
+    assert rig.client.get(f"{API}/jobs/{job_id}").json()["spec"]["recovery"]["quorum_every_steps"] == \
+        DEFAULT_QUORUM_EVERY_STEPS
+
+
+@pytest.mark.parametrize(("recovery", "loc", "words"), [
+    ({"policy": "live", "spares": -1}, "body.recovery.spares", "greater than or equal to 0"),
+    ({"policy": "live", "spares": 65}, "body.recovery.spares", "less than or equal to 64"),
+    ({"policy": "evict_restart", "spares": 1}, "body.recovery", "recovery.spares (1): only with recovery.policy 'live'"),
+])
+def test_bad_spares_are_422_naming_the_field_and_the_rule(rig: Env, recovery: dict, loc: str, words: str) -> None:
+    r = rig.client.post(f"{API}/jobs", json={**BASE, "recovery": recovery})
+    assert r.status_code == 422, r.text
+    assert [".".join(str(x) for x in e["loc"]) for e in r.json()["detail"]] == [loc] and words in r.text
+    assert rig.client.get(f"{API}/jobs").json()["count"] == 0

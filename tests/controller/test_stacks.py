@@ -24,7 +24,7 @@ from controller.recovery.stacks import (
     training_thread,
     training_thread_first,
 )
-from controller.schemas import TRAINING_THREAD
+from vigil.contract.schemas import TRAINING_THREAD
 
 RAY_MAIN = (
     'Thread 100 (idle): "MainThread"\n'

@@ -32,10 +32,10 @@ from controller.models import (
     TelemetryBatchSeen,
     TelemetryDirtyStep,
 )
-from controller.schemas import MAX_TELEMETRY_ITEMS
-from controller.step_aggregates import compute_step, load_step
+from controller.step_aggregates import COLL_ROW_FIELDS, STEP_ROW_FIELDS, compute_step, load_step
 from tests.controller.samples import KINDS, coll_sample, random_run, step_sample
 from tests.controller.telemetry_client import make_client, post
+from vigil.contract.schemas import MAX_TELEMETRY_ITEMS
 
 API = "/api/v1"
 
@@ -148,13 +148,11 @@ def test_aggregates_follow_the_definition_and_both_paths_agree(client: TestClien
     with client.app.state.sessions() as s:
         for st in range(3):
             fast = load_step(s, job, st)
-            rows_s = s.execute(select(StepMetric.rank, StepMetric.node_id, StepMetric.ts, StepMetric.loss,
-                                      StepMetric.tokens_per_s, StepMetric.step_time_s, StepMetric.data_s,
-                                      StepMetric.fwd_bwd_s, StepMetric.optim_s, StepMetric.comm_s)
+            # Rows read by name: the columns in any order give the same aggregates.
+            rows_s = s.execute(select(*(getattr(StepMetric, f) for f in reversed(STEP_ROW_FIELDS)))
                                .where(StepMetric.job_id == job, StepMetric.step == st).order_by(StepMetric.id)).all()
             C = CollectiveMetric
-            rows_c = s.execute(select(C.rank, C.seq, C.op, C.group, C.tag, C.duration_s, C.payload_bytes,
-                                      C.wire_bytes, C.elements, C.ts, C.node_id)
+            rows_c = s.execute(select(*(getattr(C, f) for f in reversed(COLL_ROW_FIELDS)))
                                .where(C.job_id == job, C.step == st).order_by(C.id)).all()
             slow = compute_step(job, st, rows_s, rows_c)
             assert fast is not None and slow is not None

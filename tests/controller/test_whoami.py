@@ -12,21 +12,18 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from controller.app import create_app
-from controller.client import ApiError, VigilClient
-from controller.schemas import Role, TokenCreate, WhoAmI
-from controller.settings import Settings
 from tests.auth import bearer, issue_token
-from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app, settings_for
 from tests.live_controller import LiveController
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.schemas import Role, TokenCreate, WhoAmI
 
 API = "/api/v1"
 
 
 @pytest.fixture
 def app(tmp_path: Path):  # type: ignore[no-untyped-def]
-    s = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
-    return create_app(s, FakeLauncher(), background=False)
+    return build_app(settings_for(tmp_path))
 
 
 def test_whoami_names_the_token_and_its_scope(app) -> None:  # type: ignore[no-untyped-def]

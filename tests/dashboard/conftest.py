@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from controller.schemas import JobStatus, Role, StepSample
 from tests.dashboard.harness import Browser, chromium_missing_reason, mount_dashboard
 from tests.dashboard.samples import rank_series
 from tests.live_controller import LiveController
+from vigil.contract.schemas import JobStatus, Role, StepSample
 
 POINTS = {0: 20, 1: 20, 2: 17}
 """Steps each rank of the running demo job reported; unequal, so a mixed-up trace shows."""

@@ -1,8 +1,5 @@
 """Test harness for the dashboard: mounting it in the controller, and a real Chromium.
 
-* :func:`start_live_server` serves any ASGI app with uvicorn on a port the OS picks, in a daemon
-  thread, and returns its base URL (the controller tests use it; the dashboard tests use the real
-  controller, served by :mod:`tests.live_controller`).
 * :func:`mount_dashboard` mounts the dashboard in a controller app the way the controller does.
 * :class:`Browser` drives Debian's Chromium through Debian's chromedriver with selenium (explicit
   ``Service("/usr/bin/chromedriver")``; never a browser or driver downloaded by a test tool), and
@@ -14,15 +11,10 @@ Needs: uvicorn, a2wsgi (mounting), selenium, and ``apt-get install -y chromium c
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import uvicorn
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -38,50 +30,6 @@ CHROMIUM_FLAGS = (
     "--disable-dev-shm-usage",
     "--window-size=1400,1000",
 )
-
-
-# --------------------------------------------------------------------------------------------------
-# Live server
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LiveServer:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise RuntimeError(f"live server at {self.url} did not stop within {timeout} s")
-
-
-def start_live_server(make_app: Callable[[str], Any], start_timeout: float = 20.0) -> LiveServer:
-    """Bind 127.0.0.1 on an OS-chosen port, build the app with its own base URL, serve it.
-
-    ``make_app`` receives the base URL before serving starts, because the mounted dashboard calls
-    the API of the very server it is mounted in.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    app = make_app(url)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn {url}", daemon=True
-    )
-    thread.start()
-    deadline = time.monotonic() + start_timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"live server at {url} did not start within {start_timeout} s")
-        time.sleep(0.02)
-    return LiveServer(url=url, server=server, thread=thread)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 the binned heatmap, step and collective series, incidents, faults, checkpoints, stacks, goodput, a
 hang's collective evidence.
 
-Plain :mod:`controller.schemas` objects built in memory with known numbers (no server); the hang's
+Plain :mod:`vigil.contract.schemas` objects built in memory with known numbers (no server); the hang's
 evidence is built by the controller's own pure functions (``controller/recovery/collectives.py``).
 """
 
@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from controller.recovery import collectives as hang_collectives
-from controller.schemas import (
+from vigil.contract.schemas import (
     CheckpointPublic,
     CollectiveSeriesPublic,
     FaultKind,
@@ -26,8 +26,11 @@ from controller.schemas import (
     JobMarker,
     JobOverviewPublic,
     JobStepsPublic,
+    NodeLost,
+    RankLost,
     RankStepsPublic,
     RankSummary,
+    SecondsLostPublic,
     StackGroup,
     StacksPublic,
     StepHeatmapPublic,
@@ -164,6 +167,21 @@ def goodput(job_id: str = "job") -> GoodputPublic:
                          lost_s={"startup": 10.0, "restart": 20.0, "lost_steps": 12.0, "checkpoint": 3.0, "hang": 5.0,
                                  "other": 0.0},
                          ettr=0.75, restarts=1, steps_rerun=9)
+
+
+def seconds_lost(job_id: str = "job", steps: int = 50) -> SecondsLostPublic:
+    """Rank 2 on n1 cost 6 s of a 200 s job over 50 steps, rank 0 a little jitter, rank 1 (at the median
+    pace, listed by the controller at 0 s) nothing; nothing known with 0 steps."""
+    ranks = [RankLost(rank=2, node_id="n1", seconds_lost=6.0, share_of_wall=0.03, steps_charged=48,
+                      last_step_lost_s=0.12),
+             RankLost(rank=0, node_id="n0", seconds_lost=0.2, share_of_wall=0.001, steps_charged=2,
+                      last_step_lost_s=0.0),
+             RankLost(rank=1, node_id="n0", seconds_lost=0.0, share_of_wall=0.0, steps_charged=0,
+                      last_step_lost_s=0.0)] if steps else []
+    return SecondsLostPublic(job_id=job_id, wall_s=200.0, seconds_lost=6.2 if steps else 0.0,
+                             share_of_wall=0.031 if steps else 0.0, steps=steps, ranks=ranks,
+                             nodes=[NodeLost(node_id="n1", seconds_lost=6.0, share_of_wall=0.03, ranks=[2])]
+                             if steps else [], step=list(range(1, steps + 1)), lost_s=[0.124] * steps)
 
 
 def hang_evidence(ranks: int = 4, late: int = 1, seq: int = 82) -> dict[str, Any]:

@@ -12,7 +12,7 @@ reported corrupt, and the ranks, restarted from step 20, re-run steps 21-39; the
 restart.
 
 :func:`seed_torch_only` stores a small job whose only collectives are torch's own (tag
-:data:`~controller.schemas.CAPTURED_TAG`, bytes estimated), as :mod:`vigil.capture` reports them.
+:data:`~vigil.contract.schemas.CAPTURED_TAG`, bytes estimated), as :mod:`vigil.capture` reports them.
 
 Only Ray is faked (:mod:`tests.live_controller`); every sample, stack and answer goes
 through the REST API with the token an agent or an admin has.
@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from controller.schemas import (
+from tests.live_controller import LiveController, checkpoint_path
+from vigil.contract.schemas import (
     CAPTURED_TAG,
     CheckpointSample,
     CollectiveRef,
@@ -37,7 +38,6 @@ from controller.schemas import (
     Role,
     StepSample,
 )
-from tests.live_controller import LiveController, checkpoint_path
 
 RANKS = 12
 NODES = {"node-a": tuple(range(6)), "node-b": tuple(range(6, 12))}

@@ -1,7 +1,7 @@
 """Wire-schema values for the unit tests of the dashboard's pure functions (tables, figures), and the
 per-rank step series the live tests feed the real controller with.
 
-Plain :mod:`controller.schemas` objects built in memory: no server. (What the dashboard shows of a
+Plain :mod:`vigil.contract.schemas` objects built in memory: no server. (What the dashboard shows of a
 real controller is tested against the real one: see ``conftest.py``.)
 """
 
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from controller.schemas import (
+from vigil.contract.schemas import (
     EventPublic,
     JobCreate,
-    JobMetrics,
     JobPublic,
     JobStatus,
     NodePublic,
@@ -67,15 +66,6 @@ def rank_series(rank: int, n_steps: int, *, slow: bool = False, nan_at: int | No
         loss=[None if s == nan_at else 5.0 / (1 + 0.1 * s) + 0.01 * rank for s in steps],
         step_time_s=[base + 0.001 * (s % 7) for s in steps],
         tokens_per_s=[512 / (base + 0.001 * (s % 7)) for s in steps],
-    )
-
-
-def make_metrics(
-    job_id: str, points_per_rank: list[int], slow_ranks: frozenset[int] = frozenset()
-) -> JobMetrics:
-    return JobMetrics(
-        job_id=job_id,
-        ranks=[rank_series(r, n, slow=r in slow_ranks) for r, n in enumerate(points_per_rank)],
     )
 
 

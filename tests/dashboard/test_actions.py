@@ -20,14 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.client import ApiError
-from controller.schemas import FaultKind, JobStatus, NodeState, Role
 from dashboard import actions
 from tests.auth import issue_token
 from tests.dashboard.conftest import Site, seed_demo
 from tests.dashboard.harness import Browser
 from tests.dashboard.signin_helpers import browser_sign_in, by_input, run_callback, sign_in
 from tests.live_controller import LiveController
+from vigil.contract.client import ApiError
+from vigil.contract.schemas import FaultKind, JobStatus, NodeState, Role
 
 # --------------------------------------------------------------------------------------------------
 # Unit

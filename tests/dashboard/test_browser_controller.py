@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from controller.client import VigilClient
-from controller.schemas import Heartbeat, JobCreate, RankProcess, StepSample, TelemetryBatch
 from tests.dashboard.harness import Browser
 from tests.live_controller import LiveController
+from vigil.contract.client import VigilClient
+from vigil.contract.schemas import Heartbeat, JobCreate, RankProcess, StepSample, TelemetryBatch
 
 POINTS = {0: 12, 1: 9}  # steps reported per rank; unequal, so a mixed-up trace shows
 

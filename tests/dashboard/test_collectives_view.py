@@ -1,4 +1,4 @@
-"""Unit tests of dashboard/collectives_view.py and of where the job page's figures, grid and incident
+"""Unit tests of dashboard/pages/job/collectives_view.py and of where the job page's figures, grid and incident
 cards use it: collectives whose bytes are estimated (captured from torch) marked ``(est.)``; a hang's
 collective evidence as a summary line and one row per rank.
 
@@ -12,11 +12,15 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 
-from controller.schemas import CAPTURED_TAG
-from dashboard import collective_figures, incident_views, job_grids, job_panels, job_views, plotting
-from dashboard import collectives_view as cv
 from dashboard import format as fmt
+from dashboard.figures import base as plotting
+from dashboard.pages.job import collectives_view as cv
+from dashboard.pages.job import incidents as incident_views
+from dashboard.pages.job import joins, panels
+from dashboard.pages.job import tables as job_tables
+from dashboard.pages.job.figures import collectives as collective_figures
 from tests.dashboard import job_samples as js
+from vigil.contract.schemas import CAPTURED_TAG
 
 
 def _walk(component: Any) -> list[Any]:
@@ -66,7 +70,7 @@ def test_estimated_kinds_are_marked_in_every_figure_and_the_grid() -> None:
     assert [t.name for t in bits.data] == ["torch (est.)", "weights"]  # the legend
     only = collective_figures.bits_per_element_figure(js.collectives("job", _torch()))
     assert [t.name for t in only.data] == ["torch (est.)"] and only.layout.showlegend  # a lone line is named too
-    assert [r["kind"] for r in job_grids.collective_rows(stats)] == labels
+    assert [r["kind"] for r in job_tables.collective_rows(stats)] == labels
 
 
 def test_the_note_shows_only_when_a_kind_is_estimated() -> None:
@@ -85,7 +89,7 @@ def test_a_job_whose_only_collectives_are_torchs_is_not_waiting_for_data() -> No
     figs = [collective_figures.collective_time_figure(stats), collective_figures.collective_wait_figure(stats),
             collective_figures.collective_bandwidth_figure(stats), collective_figures.bits_per_element_figure(coll)]
     assert all(len(f.data) > 0 and plotting.WAITING_TEXT not in _annotations(f) for f in figs)
-    assert len(job_grids.collective_rows(stats)) == 2
+    assert len(job_tables.collective_rows(stats)) == 2
     # Estimates without a transfer time or an element count are still data, said as such.
     bare = js.collectives("job", _torch(transfer=0.0, elements_per_rank=0))
     bw = collective_figures.collective_bandwidth_figure(collective_figures.collective_stats(bare))
@@ -131,6 +135,15 @@ def test_hang_rows_with_missing_and_none_fields() -> None:
     assert cv.hang_summary({"collectives": {"ranks": {}}}) is None
 
 
+def test_a_rank_that_sent_no_report_gets_its_row_and_is_said() -> None:
+    """Live recovery's stopped rank: no report, so not in ``not_entered``; ``silent`` lists it."""
+    found = {"waiting_in": {"group": "world", "seq": 5, "op": "all_reduce"}, "waiting_ranks": [0], "not_entered": [],
+             "silent": [1], "ranks": {"0": {"step": 5, "idle_s": 6.1, "in_flight": {"op": "all_reduce", "seq": 5}}}}
+    rows = {r["rank"]: r for r in cv.hang_collective_rows({"collectives": found})}
+    assert rows[1]["marker"] == cv.SILENT == "sent no report" and rows[0]["marker"] == ""
+    assert cv.hang_summary({"collectives": found}) == "rank 0 waits in all_reduce #5 (world); rank 1 sent no report"
+
+
 def test_a_summary_naming_thousands_of_ranks_is_said_with_ranges() -> None:
     found = js.hang_evidence(ranks=2000, late=1500)
     # The controller says it with ranges itself; a longer line (one listing every rank) is said again so.
@@ -172,12 +185,12 @@ def test_incident_card_shows_the_collectives_above_the_stacks() -> None:
                 "collectives": js.hang_evidence(ranks=4, late=1)}
     inc = js.incident(3, evidence=evidence)
     where = cv.hang_collectives_view(inc.evidence, "job-detail-hang-collectives-3")
-    card = incident_views.incident_card(inc, job_views.incident_phases(inc, None), None, js.stacks(), where)
+    card = incident_views.incident_card(inc, joins.incident_phases(inc, None), None, js.stacks(), where)
     ids = [getattr(c, "id", None) for c in _walk(card)]
     assert ids.index("job-detail-hang-collectives-3") < ids.index("job-detail-stacks")
     text = _text(card)
     assert text.count("rank 1 never entered it") == 1  # not repeated by the evidence table
     assert "waiting_ranks" not in text and "idle_s" in text
     # Where the view is not drawn (a marker's details), the evidence row is the summary, not JSON.
-    detail = job_panels.marker_detail(["incident", 40, "hang", "3", js.TS0], inc)
+    detail = panels.marker_detail(["incident", 40, "hang", "3", js.TS0], inc)
     assert "rank 1 never entered it" in _text(detail) and "waiting_ranks" not in _text(detail)

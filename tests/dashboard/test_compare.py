@@ -1,6 +1,6 @@
 """The compare page (``/compare``): loss against step, wall time and bits sent, one trace per job.
 
-Unit tests of :mod:`dashboard.compare_views`' builders on :class:`JobOverviewPublic` objects (the
+Unit tests of :mod:`dashboard.pages.compare.figures`' builders on :class:`JobOverviewPublic` objects (the
 cumulative bits, the labels, the three figures), then the page in a real Chromium against the REAL
 controller (``dashboard_site``), whose overview endpoint computes the per-step loss and wire bytes from
 the steps and collective calls posted through ``POST /api/v1/telemetry``.
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 
-from controller.schemas import CollectiveSample, JobOverviewPublic, JobStatus
-from dashboard import compare_views
+from dashboard.pages.compare import figures as compare_views
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
 from tests.dashboard.samples import make_job
 from tests.live_controller import step_sample
+from vigil.contract.schemas import CollectiveSample, JobOverviewPublic, JobStatus
 
 
 def overview(job_id: str, steps: list[int], wire: list[int], loss: list[float | None] | None = None,

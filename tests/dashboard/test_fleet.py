@@ -1,7 +1,8 @@
 """The fleet view (``/nodes``) and the node page (``/nodes/<id>``).
 
-Unit tests of the pure builders of :mod:`dashboard.fleet`, :mod:`dashboard.host_summary` and
-:mod:`dashboard.node_views` (host dicts as the agents' collectors send them, with unavailable parts,
+Unit tests of the pure builders of :mod:`dashboard.pages.nodes.tables`,
+:mod:`dashboard.pages.nodes.host_summary` and :mod:`dashboard.pages.node.figures` (host dicts as the
+agents' collectors send them, with unavailable parts,
 with and without GPUs; node-history figures), then the pages in a real
 Chromium against the REAL controller (``dashboard_site``: ``create_app()`` on SQLite served live,
 heartbeats posted through ``POST /api/v1/telemetry`` as agents send them).
@@ -16,12 +17,14 @@ import re
 import time
 from typing import Any
 
-from controller.schemas import Heartbeat, NodeHistoryPublic, NodeState, RankProcess
-from dashboard import fleet, host_summary, node_views
 from dashboard import format as fmt
+from dashboard.pages.node import figures as node_views
+from dashboard.pages.nodes import host_summary
+from dashboard.pages.nodes import tables as fleet
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
 from tests.dashboard.samples import make_node
+from vigil.contract.schemas import Heartbeat, NodeHistoryPublic, NodeState, RankProcess
 
 KEY_VALUE = re.compile(r"\b[\w.]+=[\w.-]+")
 """What the old nodes table showed: raw ``key=value`` dumps of the host dict."""

@@ -3,8 +3,8 @@
 Debian's headless Chromium (selenium) reads what a user sees on the job page of the dashboard mounted
 in the real controller (``dashboard_site``: uvicorn, SQLite), after :func:`tests.dashboard.job_seed.
 seed_diagnosis` told the controller, through its REST API, the story of a 12-rank job: rank 5 a
-straggler, a hang of rank 7 diagnosed from its place in the collectives and py-spy stacks, a corrupt
-checkpoint, a restart from step 20. The controller's own monitor and aggregator did the rest (driven one
+straggler (the seconds it cost ranked from ``GET /jobs/{id}/stragglers``), a hang of rank 7 diagnosed from
+its place in the collectives and py-spy stacks, a corrupt checkpoint, a restart from step 20. The controller's own monitor and aggregator did the rest (driven one
 pass at a time). A second job's only collectives are torch's own, their bytes estimated
 (:func:`tests.dashboard.job_seed.seed_torch_only`).
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from dashboard.collectives_view import ESTIMATED_NOTE
-from dashboard.plotting import WAITING_TEXT
+from dashboard.figures.base import WAITING_TEXT
+from dashboard.pages.job.collectives_view import ESTIMATED_NOTE
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
 from tests.dashboard.job_seed import (
@@ -177,6 +177,31 @@ def test_straggler_is_named_highlighted_and_its_breakdown_shown(diag: tuple[Brow
                           what="collectives grid")
     assert sorted(kinds) == ["all_gather/weights", "all_reduce/grads"]
     assert not page.text("job-detail-coll-note")  # Vigil counted these bytes: nothing estimated
+    assert page.console_errors() == []
+
+
+def test_seconds_lost_ranks_the_straggler_and_a_row_selects_it(diag: tuple[Browser, Diagnosis]) -> None:
+    page, _ = diag
+    _open_tab(page, "ranks")
+    # Rank 5 computes 0.45 s a step against 0.05 s: every step's seconds lost are its alone, and the other
+    # eleven ranks, at the median pace, cost nothing (no bar, no row).
+    lost = _graph_with_data(page, "job-detail-rank-lost")
+    assert lost["traces"][0]["x"] == [f"rank {SLOW}"], lost
+    title = page.js(_LAYOUT_JS, "job-detail-rank-lost")["title"]["text"]
+    assert title.startswith("Seconds lost to slow ranks: ") and "% of wall time) over " in title, title
+    rows = page.wait_for(lambda: _grid_rows(page, "job-detail-rank-lost-table"), what="seconds-lost rows")
+    assert [r.get_attribute("row-id") for r in rows] == [str(SLOW)] and "node-a" in rows[0].text, rows[0].text
+
+    cell = page.css(f'#job-detail-rank-lost-table .ag-row[row-id="{SLOW}"] .ag-cell')[0]
+    # Below the fold, and Bootstrap makes scrolling smooth: Selenium's own scroll leaves it unclickable.
+    page.js("arguments[0].scrollIntoView({block: 'center', behavior: 'instant'});", cell)
+    cell.click()
+    page.wait_for(lambda: f"rank {SLOW} on node-a" in (page.text("job-detail-rank-info") or ""), what="rank info")
+
+    page.js("window.scrollTo({top: 0, behavior: 'instant'});")  # back to the tabs
+    _open_tab(page, "goodput")
+    goodput = _graph_with_data(page, "job-detail-goodput-figure")
+    assert "lost: slow ranks" in goodput["traces"][0]["x"], goodput
     assert page.console_errors() == []
 
 

@@ -20,13 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.schemas import Role, TokenCreate, WhoAmI
 from dashboard import auth
 from dashboard.app import create_dash_app
 from tests.auth import issue_token
 from tests.dashboard.conftest import Site
 from tests.dashboard.harness import Browser
 from tests.dashboard.signin_helpers import PREFIX, browser_sign_in, by_input, run_callback, sign_in
+from vigil.contract.schemas import Role, TokenCreate, WhoAmI
 
 # --------------------------------------------------------------------------------------------------
 # Driving Dash callbacks over HTTP, as the renderer does

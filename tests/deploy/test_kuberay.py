@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.probe import wait_for
+from vigil.contract.probe import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "deploy" / "kuberay" / "raycluster.yaml"

@@ -12,8 +12,8 @@
 # H100; the whole run is capped at 4 minutes.
 set -uo pipefail
 
-# What the tests import beyond the GPU image's packages (import-traced): pydantic (controller.schemas),
-# pydantic-settings (controller.settings) and their requirements. typing-extensions: pydantic-core
+# What the tests import beyond the GPU image's packages (import-traced): pydantic (vigil.contract.schemas),
+# pydantic-settings (vigil.contract.settings) and their requirements. typing-extensions: pydantic-core
 # needs a recent one.
 WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 annotated-types==0.8.0
         typing-inspection==0.4.5 python-dotenv==1.2.4 typing-extensions==4.16.0)

@@ -9,11 +9,12 @@ jobs, and both name their nodes ``vigil-node-<i>``."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from controller.client import VigilClient
 from ops.localcluster import LocalCluster, free_port, start_local_cluster
+from vigil.contract.client import VigilClient
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -22,6 +23,25 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if shared:
         ids = {id(i) for i in shared}
         items[:] = [i for i in items if id(i) not in ids] + shared
+
+
+LOG_TAIL_LINES = 80
+"""How much of each of the shared cluster's logs a failed test's report carries: a run in CI leaves nothing
+else behind to read."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test on the shared cluster reports the tail of the controller's and agents' logs."""
+    outcome = yield
+    rep = outcome.get_result()
+    cluster = getattr(item, "funcargs", {}).get("shared_cluster")
+    if rep.when != "call" or not rep.failed or cluster is None:
+        return
+    for path in sorted(Path(cluster.home, "logs").glob("*.log")):
+        if path.name.startswith(("controller", "agent")):
+            lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            rep.sections.append((f"shared cluster {path.name} (last {len(lines)} lines)", "\n".join(lines)))
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,10 @@ import signal
 
 import pytest
 
-from controller.client import VigilClient
-from controller.probe import wait_for
-from controller.schemas import JobCreate, JobStatus
 from ops.localcluster import LocalCluster
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import JobCreate, JobStatus
 
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from controller.client import VigilClient
-from controller.probe import wait_for
-from controller.schemas import JobCreate, JobStatus
 from ops.bench.attached import AttachedCluster, start_attached_cluster
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import JobCreate, JobStatus
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_agents_on_every_node_through_ray_and_back_after_kill_9(attached: Attach
 
 def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attached: AttachedCluster) -> None:
     """The agent lives under the raylet it kills (a Ray actor): it answers first, then its own ancestors go."""
-    from controller.schemas import FaultCreate
+    from vigil.contract.schemas import FaultCreate
 
     with VigilClient(attached.controller_url, token=attached.admin_token, timeout=30) as client:
         job = client.submit_job(JobCreate.model_validate({
@@ -108,7 +108,10 @@ def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attach
             "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": 200, "batch_size": 4,
             "checkpoint": {"interval_steps": 20, "keep_last": 2}, "recovery": {"policy": "evict_restart"}}))
         wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 25, 300, "step 25", 1)
-        node = next(n.id for n in client.list_nodes().data for r in n.ranks if r.job_id == job.id and r.alive)
+        # The ranks' steps and the agents' heartbeats (which name the ranks a node runs) travel apart: step 25
+        # can be stored before the heartbeat that first names a rank (seen in CI), so wait for it.
+        node = wait_for(lambda: next((n.id for n in client.list_nodes().data for r in n.ranks
+                                      if r.job_id == job.id and r.alive), None), 30, "a node running a rank", 0.5)
         client.inject_fault(job.id, FaultCreate.model_validate({"kind": "kill_node", "node_id": node}))
         wait_for(lambda: node not in attached.ray_alive(), 60, f"Ray to lose {node}", 1, (Exception,))
         assert _agents(attached, node) == []  # the agent went with its node

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from controller.client import ApiError, VigilClient
-from controller.schemas import JobCreate, JobStatus
-from controller.settings import admin_token_path
 from ops.localcluster import LocalCluster, free_port, start_local_cluster
+from vigil.contract.client import ApiError, VigilClient
+from vigil.contract.schemas import JobCreate, JobStatus
+from vigil.contract.settings import admin_token_path
 
 pytestmark = pytest.mark.slow
 

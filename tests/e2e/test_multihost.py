@@ -24,16 +24,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.client import VigilClient
-from controller.probe import free_port, wait_for
-from controller.schemas import JobStatus
-from controller.settings import child_env
 from ops import netns
 from ops.localcluster import RAY_ENV, ensure_ray_token
 from ops.netns import NetnsCluster
 from ops.processes import ProcessGroup
 from tests.e2e.user_project import FUNCTION_PY, MODEL_PY
 from tests.s3server import S3Server, start_s3_server, stop_s3_server
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import free_port, wait_for
+from vigil.contract.schemas import JobStatus
+from vigil.contract.settings import child_env
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or bool(netns.unavailable_reason()), reason="needs root and netns")]

@@ -25,11 +25,11 @@ import httpx
 import psutil
 import pytest
 
-from controller.client import VigilClient
-from controller.probe import wait_for
 from ops import netns
 from ops.bench.security import report, run_attacks
 from ops.localcluster import free_port, start_local_cluster
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(netns.unavailable_reason() is not None, reason=netns.unavailable_reason() or "")]

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller.client import VigilClient
-from controller.probe import wait_for
-from controller.schemas import FaultCreate, JobCreate, JobStatus
 from ops.localcluster import LocalCluster, free_port, start_local_cluster
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import FaultCreate, JobCreate, JobStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

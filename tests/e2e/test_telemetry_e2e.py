@@ -19,10 +19,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.client import VigilClient
-from controller.probe import wait_for
-from controller.schemas import JobCreate, JobStatus
 from ops.localcluster import LocalCluster
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import JobCreate, JobStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 30

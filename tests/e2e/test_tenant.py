@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.client import VigilClient
 from ops.bench.security import report, run_attacks
 from ops.localcluster import LocalCluster
+from vigil.contract.client import VigilClient
 
 pytestmark = pytest.mark.slow
 

@@ -22,17 +22,20 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.client import VigilClient
-from controller.probe import wait_for
-from controller.schemas import CAPTURED_TAG, FaultCreate, IncidentKind
 from ops.bench.security import submit_project as _vigil_submit
 from ops.localcluster import LocalCluster
 from tests.e2e.user_project import FUNCTION_PY, MODEL_PY, SCRIPT_PY, job_writable_dir
 from tests.e2e.user_project import finish as _finish
 from vigil import raytrain
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import CAPTURED_TAG, FaultCreate, IncidentKind
 from vigil.driver import run_name
 
 pytestmark = pytest.mark.slow
+
+LAST = 240
+"""Steps of the jobs a kill_rank fault hits: long enough that the rank still runs when the fault's file lands."""
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 100
@@ -182,10 +185,11 @@ def test_plain_ddp_project_with_common_module_names_is_watched_through_torchs_co
     try:
         at = _slow_rank_1_ahead(client, job_id)
         inc = _wait_hang_by_collective(client, job_id)
+        found = inc.evidence["collectives"]
+        why = "" if "1" in found["ranks"] else _silent_rank_1(client, job_id)
     finally:  # a hung job holds its CPUs: the next test needs them
         _cancel_and_free(client, job_id)
-    found = inc.evidence["collectives"]
-    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], _lineup(found)
+    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], _lineup(found) + why
     assert found["waiting_in"]["group"] == "world" and found["waiting_in"]["op"] == "all_reduce", found
     assert inc.rank == 1 and "rank 1 never entered it" in found["summary"]
     stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
@@ -216,6 +220,18 @@ def _lineup(found: dict[str, Any]) -> str:
     """The hang's line-up in one short line (pytest cuts a long message): who reported, and what each entered."""
     return (f"{found['summary']}; entered per rank: "
             f"{ {r: (v['entered'], v['step'], v['idle_s']) for r, v in found['ranks'].items()} }")
+
+
+def _silent_rank_1(client: VigilClient, job_id: str) -> str:
+    """What rank 1 did while its watcher's report was missing (seen in CI twice): its threads' stacks (the
+    watcher's among them) and the driver log's lines about the watcher or telemetry."""
+    try:
+        stacks = client.job_stacks(job_id).stacks.get(1, "no stack")
+        logs = client.job_logs(job_id, tail_bytes=200_000).logs.splitlines()
+    except Exception as e:  # noqa: BLE001 - only a failure message: say why it is short
+        return f"; rank 1 sent no report (its stacks and logs unreadable: {e})"
+    lines = [ln for ln in logs if "watcher" in ln or "telemetry" in ln or "Error" in ln][-20:]
+    return f"; rank 1 sent no report. Its stacks:\n{stacks}\nlog lines:\n" + "\n".join(lines)
 
 
 def _wait_hang_by_collective(client: VigilClient, job_id: str) -> Any:
@@ -276,14 +292,17 @@ def test_torchrun_script_as_it_is_shows_a_straggler_and_a_hang_by_collective(
 def test_torchrun_script_rank_killed_resumes_from_the_scripts_own_checkpoint(
     cluster: LocalCluster, client: VigilClient, tmp_path: Path
 ) -> None:
-    job_id = _torchrun_job(tmp_path, cluster, "torchrun-kill", 120, "--step-delay 0.03 --checkpoint-every 20",
+    # 240 steps: the fault fires at the first step at or after the one asked for, if the rank still runs when
+    # its file lands; at 120 (~4 s of steps) the job had once finished before it did (CI, twice in a Ray Train
+    # job too)
+    job_id = _torchrun_job(tmp_path, cluster, "torchrun-kill", LAST, "--step-delay 0.03 --checkpoint-every 20",
                            "evict_restart")
     wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 30, 240, f"{job_id} to reach step 30")
     client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 30) + 5))
     _finish(client, job_id)
     inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED]
     assert inc and inc[0].rank == 1, inc
-    _assert_resumed_by_optimizer_count(client, job_id, every=20, last=120)
+    _assert_resumed_by_optimizer_count(client, job_id, every=20, last=LAST)
 
 
 def _assert_resumed_by_optimizer_count(client: VigilClient, job_id: str, *, every: int, last: int) -> int:
@@ -310,15 +329,20 @@ def test_ray_train_function_as_it_is_reports_its_loss_and_resumes_past_a_corrupt
     group was down) to the one before; its collectives are DDP's."""
     every = 20
     spec = yaml.safe_load((ROOT / "examples" / "ray_train_unchanged" / "job.yaml").read_text())
-    spec["config"] |= {"steps": 120, "checkpoint_every": every}
-    spec["steps"] = 120
+    spec["config"] |= {"steps": LAST, "checkpoint_every": every}
+    spec["steps"] = LAST
     spec_file = tmp_path / "rt.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     job_id = _vigil_submit(cluster, spec_file, ROOT / "examples" / "ray_train_unchanged")
     wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 45, 240, f"{job_id} to reach step 45")
     client.inject_fault(job_id, FaultCreate(kind="kill_rank", rank=1, step=(client.get_job(job_id).last_step or 45) + 5))
-    wait_for(lambda: [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED], 120,
-             f"{job_id}'s rank 1 to die")
+    try:
+        wait_for(lambda: [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED], 120,
+                 f"{job_id}'s rank 1 to die")
+    except TimeoutError as e:  # what the fault, the job and its incidents were doing, for a run in CI
+        job = client.get_job(job_id)
+        raise TimeoutError(f"{e}; job {job.state} at step {job.last_step}; faults {client.list_faults(job_id).data}; "
+                           f"incidents {client.job_incidents(job_id).data}") from e
     # Rank 0 waits in a collective for its dead peer: no checkpoint comes now until the group restarts. Which
     # one Ray Train hands back is its own (the newest that every rank reported); all but the oldest are
     # corrupted, so whichever it picks fails its manifest and the oldest is the one that verifies.
@@ -332,17 +356,17 @@ def test_ray_train_function_as_it_is_reports_its_loss_and_resumes_past_a_corrupt
     _finish(client, job_id)
     inc = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.RANK_DIED]
     assert inc and inc[0].rank == 1, inc
-    resumed = _assert_resumed_by_optimizer_count(client, job_id, every=every, last=120)
+    resumed = _assert_resumed_by_optimizer_count(client, job_id, every=every, last=LAST)
     assert resumed == saved[0][0] + 2, (resumed, saved)  # from the one checkpoint left that verifies
     ckpts = client.job_checkpoints(job_id).data
     skipped = {c.step for c in ckpts if not c.valid}
     assert skipped and skipped <= {s for s, _ in saved[1:]}, (skipped, ckpts)  # what was passed over, said
     good = [c for c in ckpts if c.valid]
-    assert {c.step for c in good} >= {every, 120} and all(c.bytes > 0 and c.files >= 1 for c in good), good
+    assert {c.step for c in good} >= {every, LAST} and all(c.bytes > 0 and c.files >= 1 for c in good), good
     # the losses the code reported (at its checkpoint steps) are the steps' losses
     series = next(s for s in client.job_metrics(job_id, max_points=100_000).ranks if s.rank == 0)
     losses = dict(zip(series.step, series.loss, strict=True))
-    assert all(losses.get(s) is not None for s in range(every, 121, every)), losses
+    assert all(losses.get(s) is not None for s in range(every, LAST + 1, every)), losses
     ddp = [c for c in client.job_collectives(job_id).data if (c.op, c.tag) == ("all_reduce", CAPTURED_TAG)]
     assert ddp and ddp[0].estimated and max(ddp[0].ranks) == 2
 
@@ -369,10 +393,11 @@ def test_fsdp2_shows_its_all_gathers_a_straggler_and_a_hang_by_collective(
     try:
         _slow_rank_1_ahead(client, job_id)
         inc = _wait_hang_by_collective(client, job_id)
+        found = inc.evidence["collectives"]
+        why = "" if "1" in found["ranks"] else _silent_rank_1(client, job_id)
     finally:  # a hung job holds its CPUs: the next test needs them
         _cancel_and_free(client, job_id)
-    found = inc.evidence["collectives"]
-    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], _lineup(found)
+    assert found["not_entered"] == [1] and found["waiting_ranks"] == [0], _lineup(found) + why
     assert inc.rank == 1 and "rank 1 never entered it" in found["summary"]
     stragglers = [i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.STRAGGLER]
     assert stragglers and stragglers[0].rank == 1, [(i.kind, i.rank) for i in client.job_incidents(job_id).data]

@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 from controller.rankuser import private_storage
-from controller.settings import admin_token_path
 from ops.cli import demo_job_spec
 from ops.localcluster import free_port
+from vigil.contract.settings import admin_token_path
 
 pytestmark = pytest.mark.slow
 

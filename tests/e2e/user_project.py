@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from controller.client import VigilClient
-from controller.probe import wait_for
-from controller.schemas import JobStatus
 from ops.localcluster import LocalCluster
+from vigil.contract.client import VigilClient
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import JobStatus
 
 # The user's code: nothing in it is Vigil's but the `vigil.*` calls. A data loader that takes ~40 ms a
 # batch makes the steps long enough for a fault to land mid-run.

@@ -24,14 +24,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from agent.netfaults import NetFaults
-from controller.app import create_app
 from controller.models import Job
 from controller.recovery.nic import NicDetector, NicFinding
-from controller.schemas import IncidentKind
-from controller.settings import Settings
 from ops import netns
-from tests.auth import bearer, issue_token
+from tests.harness import build_app, in_process, settings_for
 from tests.netns.harness import Samplers, in_namespaces, in_thread, network, skip_reason, training_like
+from vigil.contract.schemas import IncidentKind
 
 pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(400),
               pytest.mark.timing]
@@ -109,9 +107,8 @@ class Replay:
 
 @pytest.fixture
 def replay(tmp_path: Path) -> Iterator[Replay]:
-    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
-    app = create_app(settings, background=False)
-    with TestClient(app, headers=bearer(issue_token(app, "admin"))) as c:
+    app = build_app(settings_for(tmp_path), launcher=None)
+    with in_process(app) as c:
         spec = {"name": "nic", "steps": 100000, "scaling": {"min_workers": NODES, "max_workers": NODES}}
         job_id = c.post(f"{API}/jobs", json=spec).json()["id"]
         yield Replay(c, app.state.sessions, job_id)

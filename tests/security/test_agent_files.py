@@ -17,7 +17,7 @@ import pytest
 
 from agent.commands import CommandExecutor, ExecutorConfig
 from agent.commands.files import open_under
-from controller.schemas import CommandKind
+from vigil.contract.schemas import CommandKind
 
 
 @pytest.fixture

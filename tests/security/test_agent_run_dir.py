@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.rundir import RunDirError, prepare_run_dir
-from controller.settings import Settings
+from vigil.contract.settings import Settings
 
 
 def test_the_default_run_dir_is_no_fixed_tmp_path() -> None:

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from agent.commands import CommandExecutor, ExecutorConfig
-from controller.schemas import CommandKind
+from vigil.contract.schemas import CommandKind
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="needs root to run a stand-in raylet as another user")

@@ -13,11 +13,9 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from controller.app import create_app
-from controller.settings import Settings
 from ops.cli.services import remote_dashboard
-from ops.dashboard_mount import mount_dashboard
-from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app
+from vigil.contract.settings import Settings
 
 
 def test_bound_for_other_hosts_the_dashboard_reads_nothing_before_sign_in(tmp_path: Path) -> None:
@@ -26,7 +24,7 @@ def test_bound_for_other_hosts_the_dashboard_reads_nothing_before_sign_in(tmp_pa
     remote = base.model_copy(update=remote_dashboard("0.0.0.0", base))
     assert remote.dashboard_open_reads is False
     for settings, tokens in ((base, 1), (remote, 0)):
-        app = create_app(settings, FakeLauncher(), background=False, mounts=[mount_dashboard])
+        app = build_app(settings, dashboard=True)
         with TestClient(app):
             # the dashboard's own viewer token is minted only where its reads are open
             assert len(app.state.internal_tokens) == tokens, settings.dashboard_open_reads

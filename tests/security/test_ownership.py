@@ -7,9 +7,9 @@ Each test failed on the code before the fix. The controller is the real app and 
 
 from __future__ import annotations
 
-from controller.schemas import Role
 from tests.auth import bearer, issue_token
 from tests.controller.recovery_env import API, Env
+from vigil.contract.schemas import Role
 
 
 def test_a_user_changes_only_the_jobs_it_submitted(env: Env) -> None:

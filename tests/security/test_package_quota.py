@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller.client import ApiError
 from controller.packages import pack_directory, package_path
-from controller.schemas import JobCreate
 from tests.live_controller import LiveController
+from vigil.contract.client import ApiError
+from vigil.contract.schemas import JobCreate
 
 
 def package(tmp_path: Path, name: str, size: int = 1500) -> bytes:

@@ -6,8 +6,8 @@ controller is the real app and database; Ray's job log is played by the test's l
 
 from __future__ import annotations
 
-from controller.schemas import LOG_TAIL_DEFAULT, LOG_TAIL_MAX
 from tests.controller.recovery_env import API, Env
+from vigil.contract.schemas import LOG_TAIL_DEFAULT, LOG_TAIL_MAX
 
 
 def test_a_huge_driver_log_is_read_by_its_tail_from_a_line_start(env: Env) -> None:

@@ -19,11 +19,9 @@ import pytest
 import uvicorn
 
 from controller import http_protocol
-from controller.app import create_app
-from controller.settings import Settings
-from ops.dashboard_mount import mount_dashboard
 from ops.localcluster import free_port
-from tests.controller.fakes import FakeLauncher
+from tests.harness import build_app
+from vigil.contract.settings import Settings
 
 
 @pytest.fixture
@@ -31,7 +29,7 @@ def port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     monkeypatch.setattr(http_protocol, "HEADER_TIMEOUT_S", 1.0)
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'v.db'}")
     p = free_port()
-    app = create_app(settings, FakeLauncher(), background=False, mounts=[mount_dashboard])  # as `vigil controller`
+    app = build_app(settings, dashboard=True)  # as `vigil controller`
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=p, log_level="warning",
                                            http=http_protocol.HeaderDeadlineProtocol))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, update
 
-from controller.checkpoint_layout import job_checkpoint_root
 from controller.db import session_scope
 from controller.models import Checkpoint, Job, StepMetric
-from controller.schemas import CheckpointSample
 from controller.telemetry_guard import REFUSED, TelemetryGuard
 from tests.live_controller import LiveController, step_sample
+from vigil.contract.checkpoint_layout import job_checkpoint_root
+from vigil.contract.schemas import CheckpointSample
 
 RAY_NODES = {"vigil-node-1", "vigil-node-2", "vigil-node-3"}
 
@@ -160,7 +160,7 @@ def test_a_controller_with_s3_storage_hands_it_to_jobs_and_binds_their_checkpoin
     """``VIGIL_STORAGE_PATH=s3://...`` (the controller's ``storage_path``): jobs get the URI as it is, and a
     checkpoint is recorded only under the job's own prefix of it, over HTTP on a real controller."""
     from controller.app import job_env
-    from controller.settings import ENV_STORAGE_PATH, Settings
+    from vigil.contract.settings import ENV_STORAGE_PATH, Settings
 
     assert job_env(Settings(storage_path="S3://ckpt/team/")).get(ENV_STORAGE_PATH) == "s3://ckpt/team"
     c = LiveController(tmp_path / "controller", storage_path="s3://ckpt/team").start()

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from controller.schemas import CheckpointSample, JobCreate
 from tests.vigil.optim.common import flat_params, make, tiny_mlp, train_step
 from vigil.comm import Comm
+from vigil.contract.schemas import CheckpointSample, JobCreate
 from vigil.data import BatchSampler
 from vigil.model import build_model
 from vigil.optim import build_strategy

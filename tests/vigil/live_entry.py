@@ -1,5 +1,6 @@
 """A user's loop for the live-recovery tests: the MLP-on-blobs example's model and data, and after every
-step one JSON line per rank (pid, time, loss, a hash of the parameters' bytes) in ``config["out"]``."""
+step one JSON line per rank (pid, time, loss, a hash of the parameters' bytes) in ``config["out"]``;
+``config["stall"]`` (``{rank, step}``) makes that rank fall asleep inside that step (a line ``stalled_at`` first)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,15 @@ def train_func(config: dict[str, Any]) -> None:
     data = Batches(x, y, cfg.batch_size, run.rank, run.world_size)
     loss_fn = nn.CrossEntropyLoss()
     start = (vigil.restore(model=model, optimizer=opt, data=data) or 0) + 1
+    stall = config.get("stall") or {}  # {rank, step}: that rank falls asleep in this loop (a hang of the user's own)
     with (out / f"rank{run.rank}.jsonl").open("a") as f:
         for step in range(start, run.steps + 1):
             with vigil.step(step) as s:
+                if run.rank == stall.get("rank") and step == stall.get("step") and start < step:
+                    f.write(json.dumps({"rank": run.rank, "pid": os.getpid(), "stalled_at": step, "ts": time.time()}) + "\n")
+                    f.flush()
+                    # (its replacement heals to the step before and runs this one again: not asleep then)
+                    time.sleep(float(stall.get("seconds", 3600)))
                 xb, yb = data.next()
                 opt.zero_grad()
                 loss = loss_fn(opt.model(xb), yb)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controller.schemas import CheckpointSample, StepSample
 from vigil.comm import CollectiveRecord
+from vigil.contract.schemas import CheckpointSample, FaultSample, StepSample
 
 
 class Sink:
@@ -28,3 +28,14 @@ class Sink:
 
     def close(self) -> None:
         pass
+
+
+class FaultSink(Sink):
+    """The test sink, plus the fault samples (an applied version is one, ``fault_kind="adapt"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faults: list[FaultSample] = []
+
+    def send_fault(self, sample: FaultSample) -> None:
+        self.faults.append(sample)

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from controller.schemas import CAPTURED_TAG, JobCreate
 from tests.vigil.optim.harness import run_ranks
 from tests.vigil.telemetry_sink import Sink
 from vigil import sdk as vigil
@@ -31,6 +30,7 @@ from vigil.capture import (
     group_label,
     op_name,
 )
+from vigil.contract.schemas import CAPTURED_TAG, JobCreate
 
 
 def _entry(record_id: int, seq: int, created_ns: int, *, op: str = "gloo:all_reduce", pg: tuple[str, str] = ("0", "default_pg"),
@@ -207,7 +207,7 @@ def _unmarked(rank: int, world_size: int, root: str) -> dict[str, Any]:
     slow_rank fault file for rank 1 from step 6."""
     import json
 
-    from controller.settings import fault_file_path
+    from vigil.contract.settings import fault_file_path
 
     fault = fault_file_path(Path(root) / "run", "job-auto", rank)
     if rank == 1:

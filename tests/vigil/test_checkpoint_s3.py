@@ -243,8 +243,8 @@ def test_the_driver_hands_an_s3_storage_to_ray_train_and_the_ranks_and_sees_prog
 ) -> None:
     """``VIGIL_STORAGE_PATH=s3://...`` reaches Ray Train's run config and every rank's checkpoint root as the
     URI; the driver's "did the run progress" reads the checkpoints and Ray Train's manifests on the server."""
-    from controller.schemas import JobCreate
     from vigil import raytrain
+    from vigil.contract.schemas import JobCreate
     from vigil.driver import (
         RAY_TRAIN_ENV_DEFAULTS,
         UsageError,

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from controller.link import unavailable_reason
 from tests.vigil.optim.harness import run_ranks
 from vigil.bench.netns_ranks import enter_namespace
 from vigil.comm import Comm, _PendingCuda
+from vigil.contract.link import unavailable_reason
 
 TIMEOUT = 120
 

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from controller.probe import free_port
 from vigil import quant
+from vigil.contract.probe import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from controller.probe import free_port
-from controller.schemas import CAPTURED_TAG, JobCreate, ProgressSample
 from tests.vigil.telemetry_sink import Sink
 from vigil import capture
 from vigil import sdk as vigil
 from vigil.capture import FR_BUFFER_ENV, SEQ_BASE, CollectiveCapture, Entry
+from vigil.contract.probe import free_port
+from vigil.contract.schemas import CAPTURED_TAG, JobCreate, ProgressSample
 from vigil.rank.watch import Watcher, progress
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from controller.probe import free_port
 from tests.vigil.optim.common import batch, bits_per_element, make, roundtrip, tiny_mlp
+from vigil.contract.probe import free_port
 from vigil.optim import REGISTRY
 from vigil.optim.base import Strategy
 

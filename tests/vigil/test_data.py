@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller.schemas import DataSpec
+from vigil.contract.schemas import DataSpec
 from vigil.data import (
     BatchSampler,
     build_pydoc_corpus,

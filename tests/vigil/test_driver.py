@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.schemas import JobCreate
+from vigil.contract.schemas import JobCreate
 from vigil.driver import RAY_TRAIN_ENV_DEFAULTS, DriverConfig, UsageError, build_trainer, main, parse_config
 
 SPEC = JobCreate(name="drv", scaling={"min_workers": 2, "max_workers": 4, "cpus_per_worker": 0.5},
@@ -158,3 +158,35 @@ def test_newest_valid_step_reads_the_job_checkpoint_root(tmp_path: Path) -> None
 
     assert newest_valid_step(tmp_path / "missing") == -1
     assert newest_valid_step(tmp_path) == -1
+
+
+# -- max_restarts and progress: the one definition (vigil/contract/restarts.py) --------------------------------
+
+
+def test_progress_is_the_resume_point_moving_forward() -> None:
+    from vigil.contract.restarts import progressed
+
+    assert progressed(None, -1)  # the first restart: the job's start is the mark
+    assert progressed(10, 20) and not progressed(20, 20) and not progressed(20, 10)
+
+
+@pytest.mark.parametrize(("max_restarts", "limit", "reruns"), [(0, 1, False), (1, 1, True), (3, 3, True)])
+def test_the_restart_budget_counts_restarts_in_a_row_without_progress(max_restarts: int, limit: int,
+                                                                       reruns: bool) -> None:
+    from vigil.contract.restarts import RestartBudget
+
+    budget = RestartBudget(max_restarts)
+    assert budget.limit == limit and budget.reruns == reruns
+    assert budget.ray_train_max_failures == max_restarts  # the driver hands Ray Train the same number
+    stalled, mark = 0, None
+    for point in (10, 10, 20, 20, 20):  # where each restart resumed from
+        stalled, mark = budget.after_restart(stalled, mark, point), point
+    assert stalled == 2  # the last two resumed from 20 again: no progress since the one before
+    assert budget.exhausted(stalled) == (stalled >= limit)
+
+
+def test_the_driver_hands_max_restarts_to_ray_train_and_reruns_only_with_restarts_asked_for(tmp_path: Path) -> None:
+    for n in (0, 4):
+        spec = SPEC.model_copy(update={"recovery": SPEC.recovery.model_copy(update={"max_restarts": n})})
+        t = build_trainer(DriverConfig(job_id="j", spec=spec, run_dir=None, storage_path=str(tmp_path)))
+        assert t.run_config.failure_config.max_failures == n

@@ -22,12 +22,12 @@ from typing import Any
 import psutil
 import pytest
 
-from controller.probe import wait_for
-from controller.schemas import CheckpointSample, FaultSample, JobCreate, StepSample
-from controller.settings import FAULT_FIRED_SUFFIX, fault_file_path
 from examples.gpt_pydoc.gpt_train import train
 from vigil import checkpointing as checkpoint
 from vigil.comm import CollectiveRecord
+from vigil.contract.probe import wait_for
+from vigil.contract.schemas import CheckpointSample, FaultSample, JobCreate, StepSample
+from vigil.contract.settings import FAULT_FIRED_SUFFIX, fault_file_path
 from vigil.faults import HANG_RANK, KILL_RANK, NAN_LOSS, SLOW_RANK, FaultHook
 from vigil.sdk import RankContext
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from controller.schemas import CAPTURED_TAG, JobCreate
-from controller.settings import fault_file_path
 from vigil.bench.ranks import free_port
 from vigil.capture import FR_BUFFER_ENV
+from vigil.contract.schemas import CAPTURED_TAG, JobCreate
+from vigil.contract.settings import fault_file_path
 from vigil.launch import CONTEXT_ENV, JOB_DIR_ENV, PARENT_ENV, write_context
 
 ROOT = Path(__file__).resolve().parents[2]

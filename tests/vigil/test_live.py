@@ -12,12 +12,8 @@ bitwise the survivors' parameters at every step, and the loss ends where a fault
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,15 +21,15 @@ from typing import Any
 
 import pytest
 
-from controller.schemas import JobCreate
+from tests.vigil.live_rig import driver, finish, records
 from vigil import checkpointing as checkpoint
+from vigil.contract.schemas import JobCreate
 
 pytestmark = pytest.mark.slow
 
 STEPS = 250
 KILL_AT = 40
 RANKS = 3
-DRIVER_TIMEOUT_S = 300
 
 
 def _spec(out: Path, **recovery: Any) -> JobCreate:
@@ -66,45 +62,17 @@ def cluster() -> Iterator[Any]:
             c.shutdown()
 
 
-def _records(out: Path) -> dict[int, list[dict[str, Any]]]:
-    recs: dict[int, list[dict[str, Any]]] = {}
-    for r in range(RANKS):
-        path = out / f"rank{r}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        recs[r] = [json.loads(line) for line in lines if line.strip()]
-    return recs
-
-
-def _driver(cluster: Any, spec: JobCreate, job_id: str, storage: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "RAY_ADDRESS": cluster.address, "VIGIL_JOB_ID": job_id,
-           "VIGIL_JOB_SPEC": spec.model_dump_json(), "VIGIL_RUN_DIR": tempfile.mkdtemp(prefix="vl-", dir="/tmp"),
-           "VIGIL_STORAGE_PATH": str(storage)}
-    return subprocess.Popen([sys.executable, "-m", "vigil"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc: subprocess.Popen[str]) -> str:
-    try:
-        output, _ = proc.communicate(timeout=DRIVER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        raise AssertionError(f"driver timed out:\n{output[-6000:]}") from None
-    assert proc.returncode == 0, f"driver failed ({proc.returncode}):\n{output[-6000:]}"
-    return output
-
-
 def test_a_killed_replica_is_replaced_and_healed_while_the_survivors_train_on(
         cluster: Any, tmp_path: Path) -> None:
     out, clean_out = tmp_path / "faulty", tmp_path / "clean"
     out.mkdir()
     clean_out.mkdir()
-    proc = _driver(cluster, _spec(out), "live-kill", tmp_path / "storage")
-    clean_proc = _driver(cluster, _spec(clean_out), "live-clean", tmp_path / "storage")
+    proc = driver(cluster.address, _spec(out), "live-kill", tmp_path / "storage")
+    clean_proc = driver(cluster.address, _spec(clean_out), "live-clean", tmp_path / "storage")
     deadline = time.monotonic() + 120
     victim: dict[str, Any] | None = None
     while time.monotonic() < deadline:
-        recs = _records(out)[1]
+        recs = records(out, RANKS)[1]
         if recs and recs[-1]["step"] >= KILL_AT:
             victim = recs[-1]
             break
@@ -112,9 +80,9 @@ def test_a_killed_replica_is_replaced_and_healed_while_the_survivors_train_on(
     assert victim is not None, "rank 1 did not reach the kill step"
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.time()
-    output = _finish(proc)
+    output = finish(proc)
 
-    recs = _records(out)
+    recs = records(out, RANKS)
     # The survivors: every step once, in order, from one process; their steps never stopped for long.
     for r in (0, 2):
         steps = [x["step"] for x in recs[r]]
@@ -145,8 +113,8 @@ def test_a_killed_replica_is_replaced_and_healed_while_the_survivors_train_on(
         assert checkpoint.verify(d).world_size == 1
 
     # The loss ends where a fault-free run's does (the survivors averaged over two replicas for a while).
-    _finish(clean_proc)
-    clean = _records(clean_out)[0]
+    finish(clean_proc)
+    clean = records(clean_out, RANKS)[0]
     def tail(rs: list[dict[str, Any]]) -> float:
         return sum(x["loss"] for x in rs[-50:]) / 50
 
@@ -159,7 +127,7 @@ def test_a_trained_job_is_not_held_by_a_replica_that_never_finishes(cluster: Any
     gets FINISH_GRACE_S, then is given up; a replica whose code raised still fails the job."""
     import ray
 
-    from vigil import live_driver
+    from vigil import live_replicas as live_driver
 
     if ray.is_initialized():
         ray.shutdown()

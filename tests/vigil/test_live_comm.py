@@ -4,14 +4,15 @@ recovery cannot do is refused by name; the job spec refuses ``live`` for optimiz
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from controller.schemas import LIVE_OPTIMIZERS, JobCreate
-from vigil.live import RETRIES, LiveComm, LiveError
+from vigil.contract.schemas import LIVE_OPTIMIZERS, JobCreate
+from vigil.live import RETRIES, SEQ_PER_STEP, LiveComm, LiveError
 from vigil.live_driver import lighthouse_address
 
 
@@ -69,6 +70,48 @@ def test_a_failed_all_reduce_runs_again_from_the_own_input_in_the_survivors_quor
     recs = comm.drain()
     assert [(r.step, r.seq, r.op, r.tag) for r in recs] == [(7, 0, "quorum", "reform"), (7, 1, "all_reduce", "grads")]
     assert recs[1].payload_bytes == 16 and recs[1].wire_bytes == 16  # 2 (n-1)/n x 16 bytes with n = 2
+
+
+class _SlowFailure(FakeManager):
+    """The first all-reduce waits ``wait_s`` (a hung peer, until the timeout) and fails; the comm's progress is
+    read from inside it, as the rank's watcher thread reads it."""
+
+    def __init__(self, comm_box: list[LiveComm], wait_s: float) -> None:
+        super().__init__(peers=[1.0], failures=1)
+        self.box, self.wait_s = comm_box, wait_s
+        self.seen_inside: list[dict[str, Any]] = []
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> _Work:
+        if self.failures > 0:
+            self.seen_inside.append(self.box[0].progress())
+            time.sleep(self.wait_s)
+        return super().allreduce(tensor, reduce_op)
+
+
+def test_progress_numbers_each_all_reduce_by_its_step_and_a_failed_wait_is_the_reforms_time() -> None:
+    box: list[LiveComm] = []
+    m = _SlowFailure(box, wait_s=0.3)
+    comm = LiveComm(m, rank=1, world_size=2)
+    box.append(comm)
+    assert comm.progress() == {"groups": [], "in_flight": [], "last_done": None}  # none run yet
+    comm.set_step(3)
+    before = time.time()
+    comm.all_reduce(torch.ones(2))  # fails once after 0.3 s, then runs again alone
+    inside = m.seen_inside[0]
+    seq = 3 * SEQ_PER_STEP
+    assert [(g.group, g.last_enqueued, g.last_completed) for g in inside["groups"]] == [("world", seq, -1)]
+    assert [(r.group, r.seq, r.op) for r in inside["in_flight"]] == [("world", seq, "all_reduce")]
+    assert before <= inside["in_flight"][0].enqueued_ts <= time.time()
+    comm.all_reduce(torch.ones(2))  # the step's second: numbered after the first
+    after = comm.progress()
+    assert after["in_flight"] == [] and (after["last_done"].seq, after["groups"][0].last_completed) == (seq + 1, seq + 1)
+    comm.set_step(4)
+    comm.all_reduce(torch.ones(2))
+    assert comm.progress()["last_done"].seq == 4 * SEQ_PER_STEP  # the count starts again at each step
+    recs = {(r.step, r.op, r.seq): r.duration_s for r in comm.drain()}
+    # The failed attempt's 0.3 s wait is the reform's, not the all-reduce's (the yardstick of a usual
+    # collective that the controller's hang-from-the-collective rule takes).
+    assert recs[(3, "quorum", 0)] >= 0.3 and recs[(3, "all_reduce", 1)] < 0.3
 
 
 def test_average_divides_by_the_quorum_and_repeated_failures_give_up() -> None:

@@ -22,13 +22,15 @@ COLLECTIVE_TIMEOUT_S = 2.0
 asks for a new quorum instead); the next quorum must rebuild the process group that timed out."""
 
 
-def _replica(rank: int, lighthouse: str, *, replacement: bool, value: float) -> tuple[LiveReplica, torch.nn.Linear]:
+def _replica(rank: int, lighthouse: str, *, replacement: bool, value: float,
+             quorum_every: int = 1) -> tuple[LiveReplica, torch.nn.Linear]:
     model = torch.nn.Linear(4, 2)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(value)
     live = LiveReplica(rank=rank, world_size=2, min_replicas=1, lighthouse=lighthouse, host="127.0.0.1",
-                       replica_id=f"test_{rank}", replacement=replacement, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+                       replica_id=f"test_{rank}", replacement=replacement, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+                       quorum_every=quorum_every)
     live.register({"model": model})
     return live, model
 
@@ -104,4 +106,57 @@ def test_a_replacement_whose_heal_fails_asks_again_and_heals_from_the_peer() -> 
         for live in (survivor, out.get("live")):
             if live is not None:
                 live.close()
+        server.shutdown()
+
+
+def test_with_every_replica_in_a_quorum_opens_every_k_steps_and_the_replicas_stay_identical() -> None:
+    """``recovery.quorum_every_steps``: two replicas, a quorum every 5 steps (restore's is step 1's); the steps
+    between run on the last quorum's process group, and both end with the same parameters at step 12."""
+    torch.set_num_threads(1)
+    server = start_lighthouse(1, bind="127.0.0.1:0", join_timeout_ms=5000)
+    pairs = [_replica(r, server.address(), replacement=False, value=float(r), quorum_every=5) for r in (0, 1)]
+    errors: list[BaseException] = []
+
+    def run(live: LiveReplica, model: torch.nn.Linear) -> None:
+        try:
+            live.restore(lambda: 0)
+            for n in range(1, 13):
+                _step(live, model, n)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertions below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=pair, daemon=True) for pair in pairs]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, repr(errors)
+        assert not any(t.is_alive() for t in threads)
+        (a, ma), (b, mb) = pairs
+        assert a.quorums == b.quorums == 2  # steps 5 and 10
+        assert a.manager.current_step() == b.manager.current_step() == 12
+        assert a.manager.num_participants() == 2
+        for pa, pb in zip(ma.parameters(), mb.parameters(), strict=True):
+            assert torch.equal(pa, pb)  # healed to one state at the first quorum, then the same averaged steps
+    finally:
+        for live, _ in pairs:
+            live.close()
+        server.shutdown()
+
+
+def test_while_a_replica_is_missing_every_step_opens_with_a_quorum() -> None:
+    """A replica alone in a world of two asks at every step (its peer's replacement joins at the next one)."""
+    torch.set_num_threads(1)
+    server = start_lighthouse(1, bind="127.0.0.1:0", join_timeout_ms=JOIN_TIMEOUT_MS)
+    live, model = _replica(0, server.address(), replacement=False, value=1.0, quorum_every=5)
+    try:
+        assert live.restore(lambda: 0) == 0
+        assert live.manager.num_participants() == 1
+        assert [live.quorum_due(n) for n in (2, 3, 5)] == [True, True, True]
+        for n in range(1, 7):
+            _step(live, model, n)
+        assert live.quorums == 5  # steps 2 to 6 (step 1 ran in restore's quorum)
+    finally:
+        live.close()
         server.shutdown()

@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from controller.probe import free_port
-from controller.schemas import CheckpointSample, JobCreate, StepSample
 from examples.gpt_pydoc.gpt_train import lr_at, train
 from vigil.checkpointing import MANIFEST_FILE, verify
 from vigil.comm import CollectiveRecord
+from vigil.contract.probe import free_port
+from vigil.contract.schemas import CheckpointSample, JobCreate, StepSample
 from vigil.runner import ray_node_name
 from vigil.sdk import MAX_PREEMPTION_CHECK_STEPS, PreemptionSchedule, RankContext
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from controller.schemas import ModelSpec
+from vigil.contract.schemas import ModelSpec
 from vigil.model import GPT, VOCAB_SIZE, GPTConfig, build_model
 
 

@@ -29,7 +29,7 @@ def test_every_public_name_is_the_api_even_after_every_submodule_is_imported() -
     from vigil import sdk
 
     assert vigil.checkpoint is sdk.checkpoint and vigil.step is sdk.step and vigil.init is sdk.init
-    from controller.client import VigilClient
+    from vigil.contract.client import VigilClient
 
     assert vigil.Client is VigilClient
 

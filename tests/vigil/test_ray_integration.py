@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from controller.schemas import JobCreate
-from controller.settings import agent_socket_path
 from vigil import checkpointing as checkpoint
+from vigil.contract.schemas import JobCreate
+from vigil.contract.settings import agent_socket_path
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ import torch
 from ray.train import Checkpoint
 from torch import nn
 
-from controller.schemas import JobCreate
 from tests.vigil.telemetry_sink import Sink
 from vigil import raytrain
 from vigil import sdk as vigil
+from vigil.contract.schemas import JobCreate
 
 FS = pafs.LocalFileSystem()
 

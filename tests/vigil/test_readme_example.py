@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from controller.schemas import JobCreate
 from vigil import sdk
+from vigil.contract.schemas import JobCreate
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
-from controller.schemas import JobCreate
-from controller.settings import fault_file_path
 from tests.vigil.optim.harness import run_ranks
 from tests.vigil.telemetry_sink import Sink
 from vigil import sdk as vigil
+from vigil.contract.schemas import JobCreate
+from vigil.contract.settings import fault_file_path
 from vigil.faults import NAN_LOSS, SLOW_RANK
 from vigil.optim import REGISTRY
 

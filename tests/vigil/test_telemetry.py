@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from controller.schemas import CheckpointSample, CollectiveSample, FaultSample, RankSample, StepSample
 from vigil.comm import CollectiveRecord
+from vigil.contract.schemas import CheckpointSample, CollectiveSample, FaultSample, RankSample, StepSample
 from vigil.telemetry import MAX_DATAGRAM_BYTES, RankTelemetry, encode, pack
 
 SAMPLES = TypeAdapter(list[RankSample])
@@ -92,7 +92,9 @@ def test_checkpoint_samples_go_out_as_the_wire_schema(sock_dir: Path) -> None:
                               valid=True, world_size=4, files=5, bytes=12345, manifest_sha256="ab" * 32, loss=2.5)
     with RankTelemetry(path) as tx:
         tx.send_checkpoint(sample)
-        tx.send_checkpoint(sample.model_copy(update={"valid": False, "loss": math.nan, "message": "corrupt"}))
+        # Built as the rank builds one (validated): its NaN loss is None from then on, and goes out as null.
+        tx.send_checkpoint(CheckpointSample(**{**sample.model_dump(), "valid": False, "loss": math.nan,
+                                               "message": "corrupt"}))
     first, second = (SAMPLES.validate_python(json.loads(rx.recv(1 << 17)))[0] for _ in range(2))
     assert first == sample
     assert isinstance(second, CheckpointSample) and not second.valid and second.loss is None
@@ -120,6 +122,22 @@ def test_non_finite_loss_is_sent_as_null(sock_dir: Path) -> None:
     got = [json.loads(rx.recv(1 << 17))[0] for _ in range(2)]
     assert [g["loss"] for g in got] == [None, None]
     assert all(StepSample.model_validate(g).loss is None for g in got)
+
+
+def test_non_finite_values_become_none_once_when_the_sample_is_built(sock_dir: Path) -> None:
+    """The schema turns a non-finite loss, lr, val_loss into None as the sample is built; send adds nothing:
+    a dict that still holds NaN is not sent (JSON without NaN) but dropped and counted."""
+    sample = StepSample(job_id="job", rank=1, step=3, ts=time.time(), loss=math.inf, lr=math.nan,
+                        val_loss=-math.inf, step_time_s=0.1)
+    assert (sample.loss, sample.lr, sample.val_loss) == (None, None, None)
+    path = sock_dir / "a.sock"
+    rx = _listener(path)
+    with RankTelemetry(path) as tx:
+        assert tx.send([{**sample.model_dump(mode="json"), "loss": math.nan}]) == 0
+        assert tx.dropped == 1
+        tx.send_step(sample)
+    (got,) = json.loads(rx.recv(1 << 17))
+    assert (got["loss"], got["lr"], got["val_loss"], got["dropped"]) == (None, None, None, 1)
 
 
 def _steps(datagrams: list[list[dict]]) -> list[int]:
@@ -181,6 +199,27 @@ def test_close_waits_for_a_busy_agent_to_take_the_last_steps(sock_dir: Path) -> 
     tx.close()  # the rank ends: close drains what the agent had no room for
     reader.join(5)
     assert got == list(range(1, sends + 1)) and tx.dropped_total == 0
+
+
+def test_offer_delivers_what_waited_without_a_next_send_and_gives_up_in_time(sock_dir: Path) -> None:
+    """The watcher's offer (a stalled rank sends nothing more): a burst the agent's queue could not take
+    goes once the agent reads; an agent that never reads costs a bounded wait and loses nothing."""
+    path = sock_dir / "stalled.sock"
+    rx = _listener(path)  # bound but not reading yet: the burst fills the queue
+    tx = RankTelemetry(path)
+    sends = 60
+    for s in range(1, sends + 1):
+        tx.send_step(_step(s))
+    assert tx.unsent, "the queue never filled: the test did not exercise EAGAIN"
+    t0 = time.perf_counter()
+    assert tx.offer(0.2) > 0 and 0.2 <= time.perf_counter() - t0 < 1.0  # nobody reads: given up, kept
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.extend(_read_until(rx, sends)))
+    reader.start()
+    assert tx.offer(5.0) == 0  # no send after the burst: the offer alone delivers it as the agent reads
+    reader.join(5)
+    assert got == list(range(1, sends + 1)) and tx.dropped_total == 0
+    tx.close()
 
 
 def test_close_does_not_wait_without_an_agent(sock_dir: Path) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.schemas import StepSample
 from vigil.comm import CollectiveRecord
+from vigil.contract.schemas import StepSample
 from vigil.telemetry import RankTelemetry
 
 

@@ -6,9 +6,12 @@ Needs: nothing outside the venv (no process group: the dump is a fake, the clock
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from controller.schemas import ProgressSample
+import pytest
+
+from vigil.contract.schemas import CollectiveRef, GroupProgress, ProgressSample
 from vigil.rank.watch import STALL_MIN_S, Watcher, progress, stall_limit
 
 
@@ -43,3 +46,70 @@ def test_the_watcher_reports_only_while_stalled_and_not_the_same_twice_at_once()
     assert w.check() and sent[0].in_flight[0].seq == 12 and sent[0].idle_s == STALL_MIN_S + 1
     assert not w.check()  # the same state again at once: not resent
     assert stall_limit(10.0) == 30.0 and stall_limit(0.01) == STALL_MIN_S
+
+
+def test_a_failing_start_of_stall_hook_does_not_keep_the_report_back_nor_a_failing_dump_the_hook() -> None:
+    """The report goes first and on its own; the stall's hook (the held steps) runs once a stall, either way."""
+    calls: list[str] = []
+    sent: list[ProgressSample] = []
+
+    def sample(state: dict[str, Any], idle_s: float) -> ProgressSample:
+        return ProgressSample(job_id="j", rank=1, attempt=2, ts=1.0, step=12, idle_s=idle_s, **state)
+
+    def hook() -> None:
+        calls.append("hook")
+        raise RuntimeError("held steps could not go")
+
+    idle = [STALL_MIN_S + 1]
+    w = Watcher(lambda: (idle[0], 0.1), sample, lambda s: (calls.append("report"), sent.append(s)), exclude=set(),
+                world_size=2, dump=_dump, on_stall=hook)
+    assert w.check() and calls == ["report", "hook"] and sent[0].in_flight[0].seq == 12
+    assert not w.check() and calls == ["report", "hook"]  # once a stall
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("recorder unreadable")
+
+    idle[0] = 0.0
+    assert not w.check()  # steps flow again: the next stall is a new one
+    idle[0] = STALL_MIN_S + 1
+    w.dump = broken
+    with pytest.raises(RuntimeError, match="recorder unreadable"):  # to the thread's loop, which logs it
+        w.check()
+    assert calls == ["report", "hook", "hook"]
+
+
+def test_a_state_source_replaces_the_recorder() -> None:
+    """Live recovery's all-reduces (vigil.live.LiveComm.progress), which torch's recorder does not see."""
+    sent: list[ProgressSample] = []
+
+    def sample(state: dict[str, Any], idle_s: float) -> ProgressSample:
+        return ProgressSample(job_id="j", rank=0, attempt=1, ts=1.0, step=9, idle_s=idle_s, **state)
+
+    def unread() -> dict[str, Any]:
+        raise AssertionError("the recorder is not read when a state source is given")
+
+    live = {"groups": [GroupProgress(group="world", last_enqueued=9 << 20, last_completed=(8 << 20) + 1)],
+            "in_flight": [CollectiveRef(group="world", seq=9 << 20, op="all_reduce", enqueued_ts=5.0)], "last_done": None}
+    w = Watcher(lambda: (STALL_MIN_S + 1, 0.1), sample, sent.append, exclude=set(), world_size=2, dump=unread,
+                state=lambda: live)
+    assert w.check() and sent[0].in_flight[0].seq == 9 << 20 and sent[0].groups[0].last_completed == (8 << 20) + 1
+
+
+def test_the_tick_runs_after_every_look_stalled_or_not_and_a_failing_one_stops_nothing() -> None:
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(time.monotonic())
+        if len(ticks) == 1:
+            raise OSError("agent gone")
+
+    def sample(state: dict[str, Any], idle_s: float) -> ProgressSample:
+        return ProgressSample(job_id="j", rank=0, attempt=1, ts=1.0, step=1, idle_s=idle_s, **state)
+
+    w = Watcher(lambda: (0.0, 0.1), sample, lambda s: None, exclude=set(), world_size=2, dump=_dump,
+                period_s=0.01, tick=tick).start()
+    deadline = time.monotonic() + 5
+    while len(ticks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.stop()
+    assert len(ticks) >= 3  # not stalled (idle 0): ticked anyway, and on after the first one failed

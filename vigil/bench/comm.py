@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from controller.schemas import ModelSpec, OptimizerSpec
 from vigil.bench.ranks import run_ranks
 from vigil.comm import Comm
+from vigil.contract.schemas import ModelSpec, OptimizerSpec
 from vigil.model import build_model
 from vigil.optim import build_strategy
 

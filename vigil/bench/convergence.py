@@ -74,12 +74,12 @@ from typing import Any
 
 import torch
 
-from controller.schemas import JobCreate, ModelSpec, StepSample
 from examples.gpt_pydoc.gpt_train import evaluate, train
 from vigil import quant
 from vigil.bench.convergence_report import add_gaps, compare, plot, summarize_method, table
 from vigil.bench.ranks import RankFailure, run_ranks
 from vigil.comm import CollectiveRecord
+from vigil.contract.schemas import JobCreate, ModelSpec, StepSample
 from vigil.data import build_samplers
 from vigil.sdk import RankContext
 

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.schemas import ModelSpec
+from vigil.contract.schemas import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ def enter_namespace(namespaces: Sequence[str], rank: int, iface: str = "eth0") -
 
 def nic_bytes(iface: str = "eth0") -> tuple[int, int]:
     """(tx, rx) byte counters of ``iface`` in this process's namespace (``/proc/self/net/dev``)."""
-    from controller.link import parse_proc_net_dev
+    from vigil.contract.link import parse_proc_net_dev
 
     c = parse_proc_net_dev(Path("/proc/self/net/dev").read_text())[iface]
     return c["tx_bytes"], c["rx_bytes"]

@@ -93,8 +93,8 @@ class BlockSink:
 
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any], sock: str, block: int) -> dict[str, Any]:
-    from controller.schemas import JobCreate
     from examples.gpt_pydoc.gpt_train import train
+    from vigil.contract.schemas import JobCreate
     from vigil.sdk import RankContext
     from vigil.telemetry import RankTelemetry
 
@@ -120,9 +120,9 @@ def _captured_rank(rank: int, world_size: int, steps: int, sock: str, block: int
     step boundaries marked by an optimizer-step hook of this benchmark)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from controller.schemas import JobCreate
     from examples.ddp_plain.train import train_func
     from vigil import sdk
+    from vigil.contract.schemas import JobCreate
     from vigil.sdk import RankContext
     from vigil.telemetry import RankTelemetry
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from controller.probe import free_port
+from vigil.contract.probe import free_port
 
 # Imported once in the fork server: torch._dynamo alone takes seconds (the first optimizer pulls it in).
 _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch._dynamo", "torch.nn.parallel", "pydantic"]

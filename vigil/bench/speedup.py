@@ -50,8 +50,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from controller.link import parse_rate
-from controller.schemas import JobCreate, ModelSpec, StepSample
 from ops import netns
 from vigil import sdk
 from vigil.bench.comm import CONFIGS as COMM_CONFIGS
@@ -59,6 +57,8 @@ from vigil.bench.comm import BenchConfig
 from vigil.bench.netns_ranks import enter_namespace, nic_bytes
 from vigil.bench.ranks import run_ranks
 from vigil.comm import CollectiveRecord
+from vigil.contract.link import parse_rate
+from vigil.contract.schemas import JobCreate, ModelSpec, StepSample
 from vigil.model import build_model
 from vigil.optim import REGISTRY
 

@@ -2,7 +2,7 @@
 
 The package, by concern:
 
-* :mod:`~controller.checkpoint_layout` (shared with the agent): the ``step-XXXXXXXX`` folder names and the manifest's file
+* :mod:`~vigil.contract.checkpoint_layout` (shared with the agent): the ``step-XXXXXXXX`` folder names and the manifest's file
   name (torch-free);
 * :mod:`~vigil.checkpointing.storage`: where checkpoints are stored, a local folder or a URI
   (``s3://bucket/prefix``), through fsspec;
@@ -23,7 +23,6 @@ distributed checkpoint stack.
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from controller.checkpoint_layout import MANIFEST_FILE, Location, as_location, step_dir
 from vigil.checkpointing.format import (
     POINTER_FILE,
     InvalidCheckpoint,
@@ -35,6 +34,7 @@ from vigil.checkpointing.format import (
     verify,
     write_pointer,
 )
+from vigil.contract.checkpoint_layout import MANIFEST_FILE, Location, as_location, step_dir
 
 if TYPE_CHECKING:
     from vigil.checkpointing.checkpointer import Checkpointer

@@ -35,8 +35,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from controller.checkpoint_layout import attempts_dir, step_dir
-from controller.schemas import CheckpointSample
 from vigil.checkpointing.format import Manifest, choose, list_step_dirs, prune, remove_dir, write_manifest
 from vigil.checkpointing.reshard import restore  # also silences DCP's single-process warning
 from vigil.checkpointing.state import Stateful, _save_state, check_state
@@ -52,6 +50,8 @@ from vigil.checkpointing.storage import (
     name_of,
     same,
 )
+from vigil.contract.checkpoint_layout import attempts_dir, step_dir
+from vigil.contract.schemas import CheckpointSample
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The stored format of a checkpoint folder: manifest, checksums, validity, pointers, retention, choice.
 
-One folder per checkpoint under a root (folder names: :mod:`controller.checkpoint_layout`), on a local
+One folder per checkpoint under a root (folder names: :mod:`vigil.contract.checkpoint_layout`), on a local
 or shared filesystem or an object store (``s3://bucket/prefix``: :mod:`vigil.checkpointing.storage`;
 the same files, rules and code for both)::
 
@@ -26,7 +26,7 @@ candidates are every ``step-*`` folder of the root plus the folder Ray Train han
 *older* than the root's newest (a checkpoint completes asynchronously and is reported at the next
 report; a rank can die in between) or name a folder that was corrupted since; it can only be newer
 when it points outside the root (the storage path moved). Invalid folders newer than the one
-restored are deleted (a valid-False :class:`~controller.schemas.CheckpointSample` says why first),
+restored are deleted (a valid-False :class:`~vigil.contract.schemas.CheckpointSample` says why first),
 so a later save of the same step never mixes with their files.
 
 **Retention**: after each new checkpoint, rank 0 keeps the newest ``keep_last`` *complete* ones
@@ -46,7 +46,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.checkpoint_layout import MANIFEST_FILE, job_checkpoint_root, step_of
 from vigil.checkpointing.storage import (
     Location,
     as_location,
@@ -60,6 +59,7 @@ from vigil.checkpointing.storage import (
     same,
     write_atomic,
 )
+from vigil.contract.checkpoint_layout import MANIFEST_FILE, job_checkpoint_root, step_of
 
 log = logging.getLogger(__name__)
 

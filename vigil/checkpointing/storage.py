@@ -35,7 +35,7 @@ from typing import IO, Any, NamedTuple
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
-from controller.checkpoint_layout import Location, as_location, is_uri, join, name_of, parent_of
+from vigil.contract.checkpoint_layout import Location, as_location, is_uri, join, name_of, parent_of
 
 # as_location, join, name_of and parent_of are re-exported: one import for every location helper.
 

@@ -10,8 +10,8 @@ import importlib
 
 from torch import nn
 
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import Strategy
 
 REGISTRY: dict[str, str] = {

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import Strategy, clip_grad
 from vigil.optim.flat import broadcast_module
 

@@ -156,6 +156,13 @@ class Strategy(ABC):
         docstring). Default: everything replicated, which is right for DDP + AdamW."""
         return StateLayout()
 
+    def reconfigure(self, params: Any) -> None:
+        """Take new typed ``optimizer.params`` (:class:`vigil.contract.optimizer_params.OptimizerParams`) from
+        the next step on, without a restart: what ``recovery.policy: adapt`` asks of the kinds it may change
+        (``vigil.contract.schemas.ADAPTABLE``). Every rank calls it at the same step. Default: this strategy
+        cannot change while it runs (``NotImplementedError`` naming it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change its optimizer.params while it runs")
+
     def after_restore(self, *, old_world_size: int, fresh: bool) -> None:
         """Called on every rank (in the same order, so it may communicate) after a checkpoint from
         ``old_world_size`` ranks was loaded on another world size. ``fresh``: this rank had no

@@ -72,9 +72,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from controller.optimizer_params import CompressedAdamParams
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.optimizer_params import CompressedAdamParams
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import Shard, StateLayout, Strategy, clip_grad
 from vigil.optim.flat import FlatParams, broadcast_module, trainable
 

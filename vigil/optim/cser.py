@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from controller.optimizer_params import CSERParams, EFSGDParams, QSparseParams
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.optimizer_params import CSERParams, EFSGDParams, QSparseParams
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import StateLayout, Strategy, clip_grad
 from vigil.optim.flat import FlatParams, broadcast_module, module_with, trainable
 
@@ -166,7 +166,7 @@ class CSER(_MomentumSGD):
     """Partial synchronisation of every update through C1, error reset through C2 every H steps."""
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec) -> None:
-        # cser_pl pins rc1 = 0 (controller.optimizer_params.KIND_FIXED): the parsed params say so.
+        # cser_pl pins rc1 = 0 (vigil.contract.optimizer_params.KIND_FIXED): the parsed params say so.
         self.config = cfg = spec.typed_params(CSERParams)
         super().__init__(model, comm, spec, cfg.momentum, cfg.nesterov)
         device = self.flat.buffer.device

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from controller.optimizer_params import DSMParams
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.optimizer_params import DSMParams
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import StateLayout
 from vigil.optim.local import _OuterStateMixin
 

@@ -52,9 +52,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from controller.optimizer_params import HalfCompressParams, PowerSGDParams
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.optimizer_params import HalfCompressParams, PowerSGDParams
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import StateLayout, Strategy, clip_grad
 from vigil.optim.flat import broadcast_module, trainable
 

@@ -28,15 +28,16 @@ Use in your own loop::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 from torch import nn
 
-from controller.optimizer_params import LocalAdamWParams, SlowMoParams
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.optimizer_params import LocalAdamWParams, OptimizerParams, SlowMoParams
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import Shard, StateLayout, StatePath, Strategy, clip_grad
 from vigil.optim.flat import FlatParams, broadcast_module, module_with, trainable
 
@@ -56,6 +57,13 @@ class PeriodicAveraging(Strategy):
     Subclasses override :meth:`outer` (and :meth:`_outer_state` / :meth:`_load_outer_state` when
     they keep state). The step counter is internal (local steps taken), so the sync phase survives
     a restore independent of how the caller numbers steps.
+
+    A sync happens once ``tau`` local steps have passed since the last one (``local_steps - last_sync >=
+    tau``): every multiple of ``tau`` while ``tau`` does not change, and a sound schedule when
+    :meth:`reconfigure` changes it mid-period (a longer ``tau`` waits for the rest of it, a shorter one
+    that is already over syncs at the next step). ``last_sync`` is not checkpointed (the format stays as it
+    was): a restore takes it as the last multiple of the current ``tau``, which is where it was unless
+    ``tau`` changed since.
     """
 
     def __init__(self, model: nn.Module, comm: Comm, spec: OptimizerSpec, *, tau: int, sharded: bool) -> None:
@@ -68,6 +76,8 @@ class PeriodicAveraging(Strategy):
         self.flat = FlatParams(self.params, pad_to=max(1, comm.world_size))
         self.optimizer = torch.optim.AdamW(self.params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
         self.local_steps = 0
+        self.last_sync = 0
+        """``local_steps`` at the last sync (0: none yet)."""
         n = max(1, comm.world_size)
         self.shard_len = self.flat.padded // n if sharded else self.flat.padded
         self.lo = comm.rank * self.shard_len if sharded else 0
@@ -98,8 +108,22 @@ class PeriodicAveraging(Strategy):
             group["lr"] = lr
         self.optimizer.step()
         self.local_steps += 1
-        if self.local_steps % self.tau == 0:
+        if self.local_steps - self.last_sync >= self.tau:
+            self.last_sync = self.local_steps
             self.sync(lr)
+
+    def reconfigure(self, params: Any) -> None:
+        """A new ``tau`` from the next step on (the only field that may change while the strategy runs; class
+        docstring for the schedule). ``params``: this kind's typed params; ``ValueError`` when another field differs."""
+        current: OptimizerParams | None = getattr(self, "config", None)  # the subclass's typed params
+        if current is None or type(params) is not type(current):
+            raise ValueError(f"{type(self).__name__}.reconfigure: expected {type(current).__name__}, "
+                             f"got {type(params).__name__}")
+        others = [f.name for f in dataclasses.fields(params)
+                  if f.name != "tau" and getattr(params, f.name) != getattr(current, f.name)]
+        if others:
+            raise ValueError(f"{type(self).__name__}.reconfigure: only tau can change while it runs, not {others}")
+        self.config, self.tau = params, params.tau
 
     @torch.no_grad()
     def sync(self, lr: float) -> None:
@@ -137,6 +161,7 @@ class PeriodicAveraging(Strategy):
             raise ValueError("checkpoint was taken with a different 'sharded' setting")
         self.optimizer.load_state_dict(state[KEY_OPTIMIZER])
         self.local_steps = int(state[KEY_LOCAL_STEPS])
+        self.last_sync = self.local_steps - self.local_steps % self.tau
         self._load_outer_state(state)
 
     # -- checkpoint layout (vigil.optim.base) ---------------------------------------------------

@@ -36,7 +36,7 @@ sdp4bit_tlq_hs      fp32      tlq_hs
 sdp4bit_ulq         fp32      ulq
 ==================  ========  ========
 
-``spec.params`` (``controller.optimizer_params.SDP4BitParams``, validated with the job spec, unknown
+``spec.params`` (``vigil.contract.optimizer_params.SDP4BitParams``, validated with the job spec, unknown
 keys refused): ``weight_group`` (2048), ``grad_group``
 (128), ``hadamard_order`` (32), ``ranks_per_node`` (override the discovered topology, for tests and
 benchmarks on one machine), ``seed`` (0; the stochastic-rounding streams), ``weights`` /
@@ -58,15 +58,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from controller.optimizer_params import GRAD_MODES, SDP4BIT_VARIANTS, WEIGHT_MODES, SDP4BitParams
-from controller.schemas import OptimizerSpec
 from vigil import quant
 from vigil.comm import Comm
+from vigil.contract.optimizer_params import GRAD_MODES, SDP4BIT_VARIANTS, WEIGHT_MODES, SDP4BitParams
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.base import Shard, StateLayout, Strategy
 from vigil.topology import Topology, discover, layout
 
 VARIANTS = SDP4BIT_VARIANTS
-"""kind -> (weights, grads) of SDP4Bit and its ablations (``controller.optimizer_params``)."""
+"""kind -> (weights, grads) of SDP4Bit and its ablations (``vigil.contract.optimizer_params``)."""
 WEIGHT_BITS = 4
 GRAD_BITS_INTER = 4
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from controller.checkpoint_layout import Location
+from vigil.contract.checkpoint_layout import Location
 from vigil.telemetry import NullTelemetry, TelemetrySink, check_job_id
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class RankContext:
     async_checkpoints: bool = True
     """Write checkpoints in the background (with a ``checkpoint_root``); False: synchronously."""
     fault_file: Path | None = None
-    """This rank's one-shot fault file (:func:`controller.settings.fault_file_path`); None: no fault injection."""
+    """This rank's one-shot fault file (:func:`vigil.contract.settings.fault_file_path`); None: no fault injection."""
     cache_dir: Path | None = None
     """Data cache directory for code that wants one (the GPT example's corpus); None: its default."""
     optimizer_hooks: bool = True

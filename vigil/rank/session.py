@@ -17,12 +17,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
-from controller.schemas import FaultSample, JobCreate, OptimizerSpec, ProgressSample, StepSample
 from vigil import checkpointing as ckpt_mod
 from vigil.capture import CollectiveCapture, Window, assign, captured_times, fr_available
 from vigil.comm import CollectiveRecord, Comm
+from vigil.contract.schemas import FaultSample, JobCreate, OptimizerSpec, ProgressSample, StepSample
 from vigil.faults import NAN_LOSS, PROCESS_KINDS, SLOW_RANK, Fault, FaultHook, carry_out
 from vigil.optim import build_strategy
+from vigil.rank.adapt import Adaptation
 from vigil.rank.autostep import AutoSteps
 from vigil.rank.context import PreemptionSchedule, RankContext, TrainSummary
 from vigil.rank.step import Optimizer, Step
@@ -54,6 +55,8 @@ class Session:
                        else torch.device("cpu"))
         """Where this rank's tensors go (its GPU when it has one)."""
         self.faults = FaultHook(ctx.fault_file)
+        self.adapt = Adaptation.of(ctx, self.spec, self.comm)
+        """``recovery.policy: adapt``: the setting the ranks agree on (:mod:`vigil.rank.adapt`); None for other jobs."""
         self.summary = TrainSummary()
         # A live replica checkpoints as a world of one (every replica's state is the same; the
         # quorum's first replica writes): there is no process group across replicas to coordinate.
@@ -96,10 +99,12 @@ class Session:
         self._last_end = time.monotonic()
         self._watch: Watcher | None = None
         send_progress = getattr(ctx.telemetry, "send_progress", None)  # optional in a sink
-        if fr_available() and send_progress is not None:
+        if (fr_available() or self.live is not None) and send_progress is not None:
             self._watch = Watcher(self._idle, self._progress_sample, send_progress,
                                   exclude=self.checkpointer.group_names(), world_size=self.world_size,
-                                  on_stall=lambda: self._ship_held(force=True)).start()
+                                  on_stall=lambda: self._ship_held(force=True),
+                                  state=self.live.comm.progress if self.live is not None else None,
+                                  tick=getattr(ctx.telemetry, "offer", None)).start()
         if ctx.optimizer_hooks:
             self._hooks.append(register_optimizer_step_pre_hook(self._torch_optimizer_pre))
             self._hooks.append(register_optimizer_step_post_hook(self._torch_optimizer_post))
@@ -150,6 +155,8 @@ class Session:
         self.capture = None  # Vigil's layer counts this code's collectives exactly
         self._ship_held(force=True)
         strategy = build_strategy(spec, model, self.comm)
+        if self.adapt is not None:
+            self.adapt.add(strategy, self.spec, spec)
         def poison(module: nn.Module, args: Any, output: Any) -> Any:
             # A plain function, not a bound method: deepcopy (a strategy's eval copy of the module)
             # shares functions instead of copying the session they close over.
@@ -264,6 +271,8 @@ class Session:
             return
         if self.live is not None:
             self.live.end_step()
+        if self.adapt is not None:  # after the step's optimizer step, on every rank: a boundary's agreement
+            self.adapt.step_ended(step, self.attempt)
         self.finish_step(step)
 
     def finish_step(self, s: Step) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Protocol, Self
 import torch
 from torch import nn
 
-from controller.schemas import OptimizerSpec
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim import Strategy
 from vigil.optim.base import StateLayout
 from vigil.rank.context import PHASES

@@ -6,7 +6,7 @@ loop) or waits in another one. torch's Flight Recorder knows, per process group,
 rank entered and the last one done (``pg_status``) and which entries are still open. A daemon thread of
 each rank (:class:`Watcher`) reads it about once a second, but only while no step has finished for a
 while (:func:`stall_limit`: a few step times, at least :data:`STALL_MIN_S`), and sends a
-:class:`controller.schemas.ProgressSample` when what it sees changed (and every :data:`RESEND_S` while
+:class:`vigil.contract.schemas.ProgressSample` when what it sees changed (and every :data:`RESEND_S` while
 it lasts); the controller keeps each rank's newest and lines them up when it diagnoses a hang
 (``controller.recovery.collectives``), what PyTorch's ``fr_trace`` analysis does after the fact.
 
@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from controller.schemas import CollectiveRef, GroupProgress, ProgressSample
 from vigil.capture import dump_fr, entries
+from vigil.contract.schemas import CollectiveRef, GroupProgress, ProgressSample
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +66,21 @@ def progress(dump: dict[str, Any], exclude: set[str], world_size: int) -> dict[s
 class Watcher:
     """The rank's watcher thread (see the module docstring). ``idle()``: seconds since the last step ended
     and that step's time; ``sample(state, idle_s)``: the :class:`ProgressSample` to send; ``send``;
-    ``on_stall()``: called once when a stall begins."""
+    ``on_stall()``: called once when a stall begins; ``state()``: where the rank stands, in place of the
+    Flight Recorder's :func:`progress` (live recovery's all-reduces, which the recorder does not see);
+    ``tick()``: called after every look (e.g. deliver what the agent could not take at once)."""
 
     def __init__(self, idle: Callable[[], tuple[float, float]], sample: Callable[[dict[str, Any], float], ProgressSample],
                  send: Callable[[ProgressSample], None], *, exclude: set[str], world_size: int,
                  dump: Callable[[], dict[str, Any]] = dump_fr, period_s: float = PERIOD_S,
-                 on_stall: Callable[[], None] | None = None) -> None:
+                 on_stall: Callable[[], None] | None = None, state: Callable[[], dict[str, Any]] | None = None,
+                 tick: Callable[[], None] | None = None) -> None:
         self._idle, self._sample, self._send, self._on_stall = idle, sample, send, on_stall
+        self._state, self._tick = state, tick
         self.exclude, self.world_size, self.dump, self.period_s = exclude, world_size, dump, period_s
         self._stop = threading.Event()
         self._last: tuple[Any, float] | None = None
+        self._stalled = False
         self.sent = 0
         self._thread = threading.Thread(target=self._run, name="vigil-watch", daemon=True)
 
@@ -94,16 +99,31 @@ class Watcher:
                 self.check()
             except Exception as e:  # noqa: BLE001 - the watcher must never take the rank down
                 log.warning("collective watcher: %s", e)
+            if self._tick is not None:
+                try:
+                    self._tick()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("collective watcher: %s", e)
 
     def check(self) -> bool:
         """One look; True when a sample was sent."""
         idle_s, step_s = self._idle()
         if idle_s < stall_limit(step_s):
-            self._last = None
+            self._last, self._stalled = None, False
             return False
-        if self._last is None and self._on_stall is not None:
-            self._on_stall()  # e.g. send the steps held back before the stall
-        state = progress(self.dump(), self.exclude, self.world_size)
+        try:
+            return self._report(idle_s)
+        finally:  # after the report and apart from it: it must not keep the report from going, nor delay it
+            if not self._stalled:
+                self._stalled = True
+                if self._on_stall is not None:
+                    try:
+                        self._on_stall()  # e.g. send the steps held back before the stall
+                    except Exception as e:  # noqa: BLE001 - the watcher must never take the rank down
+                        log.warning("collective watcher: at the stall's start: %s", e)
+
+    def _report(self, idle_s: float) -> bool:
+        state = self._state() if self._state is not None else progress(self.dump(), self.exclude, self.world_size)
         key = (tuple(g.model_dump_json() for g in state["groups"]), tuple(r.seq for r in state["in_flight"]))
         now = time.monotonic()
         if self._last is not None and self._last[0] == key and now - self._last[1] < RESEND_S:

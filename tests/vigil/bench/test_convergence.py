@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from controller.schemas import ModelSpec
 from vigil.bench.convergence import (
     BY_NAME,
     COMPARISONS,
@@ -24,6 +23,7 @@ from vigil.bench.convergence import (
     run,
     table,
 )
+from vigil.contract.schemas import ModelSpec
 
 TIMEOUT = 300
 TINY = ModelSpec(n_layer=1, n_head=2, d_model=32, context=32)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.schemas import ModelSpec
 from ops import netns
 from vigil.bench import speedup
 from vigil.bench.comm import BenchConfig
+from vigil.contract.schemas import ModelSpec
 
 pytestmark = [pytest.mark.skipif(netns.unavailable_reason() is not None, reason=netns.unavailable_reason() or ""),
               pytest.mark.timeout(600)]

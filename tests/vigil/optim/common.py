@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from controller.schemas import OptimizerSpec
 from vigil.comm import Comm
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim import build_strategy
 from vigil.optim.base import Strategy
 

@@ -1,5 +1,5 @@
 """One list of optimizer kinds: the contract's ``OptimizerKind``, the trainer's ``REGISTRY`` and the
-params classes of ``controller.optimizer_params`` name the same kinds, and every strategy takes the
+params classes of ``vigil.contract.optimizer_params`` name the same kinds, and every strategy takes the
 parsed params of its kind.
 
 Needs: torch (imports the trainer); no process group (single rank).
@@ -11,10 +11,10 @@ from typing import get_args
 
 import pytest
 
-from controller.optimizer_params import PARAMS_BY_KIND, AdamWParams
-from controller.schemas import OptimizerKind, OptimizerSpec
 from tests.vigil.optim.common import make, tiny_mlp
 from vigil.comm import Comm
+from vigil.contract.optimizer_params import PARAMS_BY_KIND, AdamWParams
+from vigil.contract.schemas import OptimizerKind, OptimizerSpec
 from vigil.optim import REGISTRY
 
 

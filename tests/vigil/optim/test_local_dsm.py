@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controller.schemas import OptimizerSpec
 from tests.vigil.optim.common import (
     bits_per_element,
     flat_params,
@@ -22,6 +21,7 @@ from tests.vigil.optim.common import (
 )
 from tests.vigil.optim.harness import run_ranks
 from vigil.comm import Comm
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim.dsm import DSMLS
 from vigil.optim.local import SlowMo
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from controller.schemas import JobCreate
 from examples.gpt_pydoc.gpt_train import train
 from tests.vigil.optim.harness import run_ranks
+from vigil.contract.schemas import JobCreate
 from vigil.sdk import RankContext
 
 TIMEOUT = 300

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from controller.schemas import OptimizerSpec
 from tests.vigil.optim.harness import run_ranks
 from vigil import topology
 from vigil.comm import Comm
+from vigil.contract.schemas import OptimizerSpec
 from vigil.optim import build_strategy
 from vigil.optim.sdp4bit import VARIANTS, SDP4Bit, SDP4BitParams
 
@@ -277,8 +277,8 @@ def test_save_restore_matches_uninterrupted_run(kind: str) -> None:
 def _rank_loop(rank: int, world: int, kind: str, out: str, cache: str) -> dict[str, Any]:
     """The GPT example on the rank API with SDP4Bit: a full run checkpointing at step 6,
     then a run resumed from that checkpoint."""
-    from controller.schemas import JobCreate
     from examples.gpt_pydoc.gpt_train import train
+    from vigil.contract.schemas import JobCreate
     from vigil.sdk import RankContext
 
     spec = JobCreate(

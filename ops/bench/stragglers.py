@@ -1,0 +1,146 @@
+"""``vigil bench stragglers``: how soon a slow rank is found, whether the right one, and whether the seconds it
+cost are reported right; and how many ranks a long clean run under other load wrongly names.
+
+On a local cluster (head with no CPUs + 2 worker raylets, real agents and controller), 2-rank jobs under
+``recovery.policy: observe`` (found, never acted on: the whole run is measured), ``STEPS`` steps each:
+
+* per co-tenant setting (none, or a process burning one CPU beside the job: on this one machine every node
+  shares the CPUs, so it loads the job's nodes alike), a **fault-free** run of the same job (same seed):
+  the true cost of a fault is its run's time from the fault's step to the end minus this run's;
+* per (factor, mode, co-tenant) **case**: rank 1 made ``factor`` x slower from step ``AT`` (``compute``:
+  its forward+backward ``factor`` x longer, the ``slow_rank`` fault's compute mode). ``detected_after_steps``:
+  the straggler incident's step minus ``AT`` (null: never); ``culprit_correct``: it names rank 1;
+  ``seconds_lost_reported``: ``GET /jobs/{id}/stragglers``' per-step seconds lost summed from ``AT`` on, as a
+  user reads it live (no fault-free run to subtract); ``noise_floor_s``: the same sum in the fault-free run
+  (its ranks' jitter); ``seconds_lost_true``: the wall-time difference above.
+* ``clean``: one long run with the co-tenant; ``false_positives``: straggler incidents in it.
+
+Mode ``comm`` (a rank slow to communicate) is not injected yet: the cases list only what was run.
+Prints one JSON object with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Self
+
+from ops.bench.faultrun import FaultRun
+from ops.bench.recovery import job_spec
+from ops.localcluster import free_port, start_local_cluster
+
+log = logging.getLogger("vigil.bench.stragglers")
+
+STEPS, AT = 300, 80
+FACTORS = (1.15, 1.3, 2.0)
+
+
+class Cotenant:
+    """A process burning one CPU while it lives (``with Cotenant(on): ...``; off: nothing)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Self:
+        if self.on:
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Bench(FaultRun):
+    def run_job(self, name: str, steps: int, fault: dict[str, Any] | None) -> dict[str, Any]:
+        """One observed job to its end: its step times, per-step seconds lost and straggler incidents."""
+        spec = job_spec(name, steps, policy="observe", ckpt=100)
+        job = self.client.submit_job(spec).id
+        if fault is not None:
+            self.inject(job, fault)
+        status = self.finish(job, timeout=1800)
+        time.sleep(3)  # the last steps' aggregates
+        steps_, ts, _ = self.rank0_series(job)
+        lost = self.client.job_seconds_lost(job, max_points=100_000)
+        return {"job_id": job, "status": status, "ts": dict(zip(steps_, ts, strict=True)),
+                "lost": dict(zip(lost.step, lost.lost_s, strict=True)),
+                "stragglers": [i for i in self.incidents(job) if i["kind"] == "straggler"]}
+
+    @staticmethod
+    def span(run: dict[str, Any], first: int, last: int) -> float | None:
+        t = run["ts"]
+        return t[last] - t[first] if first in t and last in t else None
+
+    @staticmethod
+    def lost_from(run: dict[str, Any], first: int) -> float:
+        return sum(v for st, v in run["lost"].items() if st > first)
+
+    def case(self, factor: float, mode: str, cotenant: bool, clean: dict[str, Any]) -> dict[str, Any]:
+        fault = {"kind": "slow_rank", "rank": 1, "step": AT, "params": {"factor": factor, "mode": mode}}
+        with Cotenant(cotenant):
+            run = self.run_job(f"straggler-{factor}-{mode}-{int(cotenant)}", STEPS, fault)
+        inc = run["stragglers"][0] if run["stragglers"] else None
+        true = self.span(run, AT, STEPS)
+        base = self.span(clean, AT, STEPS)
+        noise = self.lost_from(clean, AT)
+        return {
+            "factor": factor, "mode": mode, "cotenant": cotenant, "job_id": run["job_id"], "status": run["status"],
+            "detected_after_steps": (inc["step_at_detect"] - AT) if inc and inc.get("step_at_detect") else None,
+            "culprit_correct": bool(inc and inc["rank"] == 1),
+            "class": inc["evidence"].get("class") if inc else None,
+            "seconds_lost_reported": round(self.lost_from(run, AT), 3),
+            "seconds_lost_true": round(true - base, 3) if true is not None and base is not None else None,
+            "noise_floor_s": round(noise, 3),
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vigil bench stragglers", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="Print JSON only.")
+    p.add_argument("--clean-steps", type=int, default=1000, help="Steps of the clean run under load (default 1000).")
+    p.add_argument("--factors", default=",".join(map(str, FACTORS)), help="Comma-separated slow factors.")
+    p.add_argument("--cotenant", choices=("both", "on", "off"), default="both", help="Co-tenant settings to run.")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    factors = [float(x) for x in args.factors.split(",") if x.strip()]
+    settings = {"both": (False, True), "on": (True,), "off": (False,)}[args.cotenant]
+    home = Path(tempfile.mkdtemp(prefix="vigil-bench-stragglers-"))
+    t0 = time.time()
+    cluster = start_local_cluster(home, nodes=3, cpus_per_node=1, port=free_port())
+    try:
+        b = Bench(cluster, timeout=30)
+        cases = []
+        for cotenant in settings:
+            with Cotenant(cotenant):
+                clean = b.run_job(f"fault-free-{int(cotenant)}", STEPS, None)
+            cases += [b.case(f, "compute", cotenant, clean) for f in factors]
+        clean_run = None
+        if args.clean_steps > 0:
+            with Cotenant(True):
+                long = b.run_job("clean-long", args.clean_steps, None)
+            clean_run = {"steps": args.clean_steps, "cotenant": True, "false_positives": len(long["stragglers"]),
+                         "status": long["status"], "incidents": [i["evidence"] for i in long["stragglers"]]}
+    finally:
+        cluster.stop(discard_storage=True)
+    out = {"steps": STEPS, "fault_step": AT, "cases": cases, "clean": clean_run, "wall_s": round(time.time() - t0, 1)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for c in cases:
+            print(f"{c['factor']:>5}x {c['mode']:<8} cotenant={c['cotenant']!s:<5} after={c['detected_after_steps']!s:>5} "
+                  f"culprit={c['culprit_correct']!s:<5} lost reported={c['seconds_lost_reported']} "
+                  f"true={c['seconds_lost_true']}")
+        print(f"clean: {clean_run}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
