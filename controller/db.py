@@ -75,6 +75,23 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
+def take_write_lock(session: Session) -> None:
+    """SQLite: make ``session``'s transaction a writer now, unless it is one already (``BEGIN IMMEDIATE``:
+    it waits up to the busy timeout for the write lock). Nothing elsewhere.
+
+    Call it before a savepoint that reads, then writes. Python's sqlite3 begins a transaction only at
+    its first write, so the reads of a session that has not written run each in their own snapshot, and the
+    first write waits for the lock. But a ``SAVEPOINT`` begins a *deferred* transaction at once: its reads
+    share one snapshot, and if another connection commits before the savepoint's first write, SQLite
+    cannot upgrade that stale snapshot and fails the write at once ("database is locked",
+    SQLITE_BUSY_SNAPSHOT), without waiting. The transaction stays stale until it ends."""
+    conn = session.connection()
+    if conn.dialect.name != "sqlite":
+        return
+    if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 

@@ -17,6 +17,7 @@ from pathlib import PurePosixPath
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controller.db import take_write_lock
 from controller.jobs import record_event
 from controller.launcher import ClusterControl, LaunchError
 from controller.locate import RankLocation, rank_locations
@@ -79,6 +80,7 @@ def fire_due(session: Session, cluster: ClusterControl | None = None) -> int:
             # Faults in a fault file are armed at once: the rank itself fires them at the step (the file says which).
             if not _in_rank(f) and (job.last_step is None or job.last_step < f.step):
                 continue
+            take_write_lock(session)  # the savepoint reads, then writes (controller/db.py)
             with session.begin_nested():
                 done = _fire(session, job, f, kind, cluster)
         except Exception as e:  # noqa: BLE001 - one bad fault never stops the monitor (docs/SECURITY.md)

@@ -3,7 +3,10 @@ tests/controller/recovery_env.py; detection itself: test_recovery.py)."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
+from sqlalchemy import event
 
 from controller.recovery.monitor import ON_RECORD_S, Monitor
 from tests.controller.recovery_env import API, Env
@@ -233,3 +236,37 @@ def test_bad_fault_is_422_and_stores_nothing(env: Env, body: dict) -> None:
     r = env.client.post(f"{API}/jobs/{env.job_id}/faults", json=body)
     assert r.status_code == 422
     assert env.client.get(f"{API}/jobs/{env.job_id}/faults").json()["count"] == 0
+
+
+def test_a_fault_fires_although_another_writer_commits_while_its_pass_reads(env: Env, tmp_path) -> None:
+    """SQLite: the fault's savepoint reads where the rank runs, then queues its command. Another connection
+    that commits in between (the ingest, on a busy controller) used to leave the savepoint's snapshot stale:
+    its write failed at once with "database is locked" and the fault was marked FAILED (stop 34's CI).
+    Now the pass holds the write lock first: the other writer waits, and the fault fires."""
+    env.steps(1, 2)
+    env.client.post(f"{API}/jobs/{env.job_id}/faults", json={"kind": "nan_loss", "rank": 0, "step": 40})
+    engine = env.monitor.sessions.kw["bind"]
+    intruder: list[str] = []
+
+    def commit_from_another_connection(conn, cursor, statement, *_args) -> None:
+        if not statement.startswith("INSERT INTO node_commands") or intruder:
+            return
+        other = sqlite3.connect(engine.url.database, timeout=0.2)
+        try:
+            other.execute("CREATE TABLE intruder (x INTEGER)")
+            other.commit()
+            intruder.append("committed")
+        except sqlite3.OperationalError as e:
+            intruder.append(str(e))
+        finally:
+            other.close()
+
+    event.listen(engine, "before_cursor_execute", commit_from_another_connection)
+    try:
+        env.monitor.step()
+    finally:
+        event.remove(engine, "before_cursor_execute", commit_from_another_connection)
+    assert intruder == ["database is locked"]  # it waited for the pass's write lock, and gave up first
+    assert [c["kind"] for c in env.commands("vigil-node-1")] == ["write_fault_file"]
+    (fault,) = env.client.get(f"{API}/jobs/{env.job_id}/faults").json()["data"]
+    assert fault["status"] == "FIRED", fault
