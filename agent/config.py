@@ -100,6 +100,10 @@ class AgentConfig(BaseModel):
     commands: bool = Field(
         True, description="Poll the controller for commands (kill, stop, py-spy, ...) and carry them out."
     )
+    command_wait_s: float = Field(
+        2.0, ge=0, le=30, description="A long poll for commands: the controller answers as soon as one is "
+        "queued for this node, or after this long (0: a plain poll every heartbeat interval)."
+    )
     storage_root: Path = Field(
         default_factory=storage_path_from_env,
         description=f"corrupt_files only touches files under this folder (default ${ENV_STORAGE_PATH} or "

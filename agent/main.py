@@ -183,7 +183,7 @@ class Agent:
             self._command_client = FailoverClient.connect(
                 config.controller_urls, token=config.token, timeout=config.http_timeout_s, purpose="commands"
             )
-            command_transport = ClientCommandTransport(self._command_client, config.node_id)
+            command_transport = ClientCommandTransport(self._command_client, config.node_id, config.command_wait_s)
         executor = CommandExecutor(_executor_config(config), rank_pids=self.receiver.ranks.pids)
         self.commands = CommandRunner(config.node_id, command_transport, executor, on_node_lost=self._lost)
         self._command_loop = CommandLoop(self.commands, interval_s=config.heartbeat_interval_s)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Self
@@ -16,6 +17,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from vigil.contract.background import BackgroundLoop
+
+log = logging.getLogger(__name__)
 
 WAL_AUTOCHECKPOINT_PAGES = 100_000
 """SQLite: the WAL size (pages of 4 KiB: ~400 MB) at which a committing writer checkpoints it itself.
@@ -90,6 +93,30 @@ def take_write_lock(session: Session) -> None:
         return
     if not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+_ON_COMMIT = "vigil_on_commit"
+
+
+def on_commit(session: Session, key: object, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once ``session``'s transaction commits (never if it rolls back); a second ``fn`` under the
+    same ``key`` in the same transaction replaces the first. For what must not be seen before the write it
+    tells of: waking an agent's long poll, or the monitor, for a row they would otherwise read too early."""
+    session.info.setdefault(_ON_COMMIT, {})[key] = fn
+
+
+@event.listens_for(Session, "after_commit")
+def _run_on_commit(session: Session) -> None:
+    for fn in session.info.pop(_ON_COMMIT, {}).values():
+        try:
+            fn()
+        except Exception:  # the commit is done; a failed notification must not undo it
+            log.exception("after commit")
+
+
+@event.listens_for(Session, "after_rollback")
+def _forget_on_rollback(session: Session) -> None:
+    session.info.pop(_ON_COMMIT, None)
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

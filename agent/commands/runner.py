@@ -80,6 +80,8 @@ class CommandRunner:
         self._last_warning = float("-inf")
         #: Set after kill_node: the node is lost; the runner does nothing more.
         self.stopped = False
+        #: A command is being carried out (not a poll, which may be a long one).
+        self.executing = False
         self._halt = threading.Event()
 
     def halt(self) -> None:
@@ -143,8 +145,12 @@ class CommandRunner:
                 daemon=True,
             )
             started = self._clock()
-            worker.start()
-            worker.join(timeout)
+            self.executing = True
+            try:
+                worker.start()
+                worker.join(timeout)
+            finally:
+                self.executing = False
             if box:
                 result = box[0]
             else:
@@ -236,30 +242,37 @@ def _summary(args: Mapping[str, Any]) -> str:
 
 
 class CommandLoop(BackgroundLoop):
-    """Steps a :class:`CommandRunner` in its own thread: every ``interval_s``, at once after a
-    command was done, and stops when the runner does (kill_node)."""
+    """Steps a :class:`CommandRunner` in its own thread: a poll every ``interval_s`` (counted from the
+    start of the last one: a long poll that waited that long is followed by the next at once), at once
+    after a command was done, and stops when the runner does (kill_node)."""
 
     thread_name = "vigil-agent-commands"
 
     def __init__(self, runner: CommandRunner, interval_s: float = 1.0) -> None:
         self.runner = runner
         self.interval_s = interval_s
+        self._last_tick_s = 0.0
         super().__init__()
 
     def pause_s(self) -> float:
-        return self.interval_s
+        return max(0.0, self.interval_s - self._last_tick_s)
 
     def tick(self) -> bool:
         if self.runner.stopped:
             self._stop.set()
             return False
-        again = self.runner.step()
+        t0 = time.monotonic()
+        try:
+            again = self.runner.step()
+        finally:
+            self._last_tick_s = time.monotonic() - t0
         if self.runner.stopped:
             self._stop.set()
         return bool(again)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop polling (a command under way gets ``timeout`` to finish), then end throttles."""
+        """Stop polling (a command under way gets ``timeout`` to finish; a poll under way is not waited
+        for: the runner carries out nothing more once halted), then end throttles."""
         self.runner.halt()
-        super().stop(timeout)
+        super().stop(timeout if self.runner.executing else 0)
         self.runner.close()

@@ -25,12 +25,14 @@ class ClientCommandTransport:
     """The real transport: :meth:`VigilClient.node_commands` / :meth:`VigilClient.post_command_result`
     on the controller that answers (a single client is one controller)."""
 
-    def __init__(self, client: VigilClient | FailoverClient, node_id: str) -> None:
+    def __init__(self, client: VigilClient | FailoverClient, node_id: str, wait_s: float = 0.0) -> None:
         self.client = client if isinstance(client, FailoverClient) else FailoverClient([client], [""])
         self.node_id = node_id
+        self.wait_s = wait_s
+        """A long poll: the controller answers as soon as a command is queued, or after this long."""
 
     def fetch(self) -> list[NodeCommand]:
-        return list(self.client.call(lambda c: c.node_commands(self.node_id, status="PENDING")).data)
+        return list(self.client.call(lambda c: c.node_commands(self.node_id, status="PENDING", wait_s=self.wait_s)).data)
 
     def post_result(self, command_id: int, result: CommandResult) -> None:
         self.client.call(lambda c: c.post_command_result(self.node_id, command_id, result))

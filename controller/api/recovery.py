@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import func, select
 
-from controller import faults
+from controller import command_bell, faults
 from controller import jobs as job_service
 from controller.api.deps import JobId, NodeId, RowId, SessionDep
+from controller.db import on_commit, session_scope
 from controller.models import Fault, Incident, Node, StackDump
 from controller.recovery import checkpoints, commands
 from controller.recovery.actions import HeadNodeError, evict_node, is_head_node, readmit_node, restart_job
@@ -193,22 +196,49 @@ def readmit(node_id: NodeId, session: SessionDep) -> NodeActionPublic:
 
 
 @router.get("/nodes/{node_id}/commands", response_model=NodeCommandsPublic)
-def node_commands(
+async def node_commands(
+    request: Request,
     node_id: NodeId,
-    session: SessionDep,
     wanted: Annotated[Literal["PENDING", "DONE", "FAILED", "ALL"], Query(
         alias="status", description="Commands of this status (the agent polls PENDING); ALL: any.")] = "PENDING",
+    wait_s: Annotated[float, Query(ge=0, le=command_bell.MAX_WAIT_S, description=(
+        "PENDING only: when none is pending, wait up to this long for one (a long poll: the answer comes as "
+        "soon as a command for the node is queued)."))] = 0.0,
 ) -> NodeCommandsPublic:
-    """This node's commands of ``status`` (default: pending, what the agent polls), oldest first."""
-    data = commands.listed(session, node_id, None if wanted == "ALL" else CommandStatus(wanted))
-    return NodeCommandsPublic(data=data, count=len(data))
+    """This node's commands of ``status`` (default: pending, what the agent polls), oldest first.
+
+    Async: a waiting poll holds no thread and no database connection (controller/command_bell.py)."""
+    sessions = request.app.state.sessions
+    status_ = None if wanted == "ALL" else CommandStatus(wanted)
+
+    def read() -> list:
+        with session_scope(sessions) as s:
+            return commands.listed(s, node_id, status_)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (wait_s if status_ == CommandStatus.PENDING else 0.0)
+    while True:
+        rung = command_bell.BELL.count(node_id)  # before the read: a ring after it is not missed
+        data = await run_in_threadpool(read)
+        if data or loop.time() >= deadline:
+            return NodeCommandsPublic(data=data, count=len(data))
+        if await request.is_disconnected():  # the agent went away (stopped, killed): nobody to answer
+            return NodeCommandsPublic(data=[], count=0)
+        recheck = min(deadline, loop.time() + command_bell.RECHECK_S)
+        while loop.time() < recheck and command_bell.BELL.count(node_id) == rung:
+            await asyncio.sleep(command_bell.LOOK_S)
 
 
 @router.post("/nodes/{node_id}/commands/{command_id}/result", response_model=dict)
-def command_result(node_id: NodeId, command_id: RowId, body: CommandResult, session: SessionDep) -> dict:
-    """An agent's answer; a second answer to the same command is acknowledged and ignored."""
+def command_result(request: Request, node_id: NodeId, command_id: RowId, body: CommandResult,
+                   session: SessionDep) -> dict:
+    """An agent's answer; a second answer to the same command is acknowledged and ignored. The monitor's
+    next pass comes as soon as the answer is stored (a hang's stacks, say, which its decision waits for)."""
     try:
         stored = commands.record_result(session, node_id, command_id, body)
     except commands.CommandNotFound:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"command {command_id} of {node_id!r} not found") from None
+    monitor = getattr(request.app.state, "monitor", None)
+    if stored and monitor is not None:
+        on_commit(session, "wake-monitor", monitor.wake)
     return {"stored": stored}

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from controller.command_bell import queued
 from controller.jobs import record_event
 from controller.models import Fault, Job, NodeCommandRow, StackDump
 from vigil.contract.schemas import CommandKind, CommandResult, CommandStatus, NodeCommand
@@ -24,6 +25,7 @@ def enqueue(
                          job_id=job_id, incident_id=incident_id, fault_id=fault_id, result={})
     session.add(row)
     session.flush()
+    queued(session, node_id)  # the agent's long poll answers once this commits
     record_event(session, "command", f"{kind.value} -> {node_id}", job_id=job_id, node_id=node_id,
                  data={"command_id": row.id, "args": row.args})
     return row

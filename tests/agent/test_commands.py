@@ -28,10 +28,12 @@ import pytest
 from sqlalchemy import delete, update
 
 from agent.commands import ClientCommandTransport, CommandExecutor, CommandLoop, CommandRunner, ExecutorConfig
+from controller import command_bell
 from controller.db import session_scope
 from controller.models import NodeCommandRow
+from controller.recovery import commands
 from tests.live_controller import LiveController, step_sample
-from vigil.contract.client import VigilClient
+from vigil.contract.client import ApiError, VigilClient
 from vigil.contract.schemas import CommandKind, CommandResult, CommandStatus, Role
 
 NODE = "vigil-node-1"
@@ -373,3 +375,61 @@ def test_a_halted_runner_starts_no_further_command(queue):
     r.step()
     assert queue.answered() == [first] and len(ex.ran) == 1
     assert r.step() is False and r.stats.polls == 1
+
+
+def _enqueue(queue: Queue) -> int:
+    """A command queued as the monitor queues one, straight in the database (``Queue.add`` waits for the
+    requests in flight to end first, a long poll among them)."""
+    with session_scope(queue.live.app.state.sessions) as s:
+        return commands.enqueue(s, NODE, CommandKind.WRITE_FAULT_FILE, {"job_id": queue.job, "rank": 0}).id
+
+
+def test_a_long_poll_is_answered_the_moment_a_command_is_queued(queue, monkeypatch):
+    """``wait_s``: the controller holds an empty poll and answers when a command for the node commits (its
+    bell), not at the next database re-read (put off here beyond the wait: only the bell can answer early)."""
+    monkeypatch.setattr(command_bell, "RECHECK_S", 60.0)
+    transport = queue.transport()
+    transport.wait_s = 20.0
+    got: list[tuple[float, list[Any]]] = []
+    poll = threading.Thread(target=lambda: got.append((time.monotonic(), transport.fetch())), daemon=True)
+    poll.start()
+    time.sleep(0.5)
+    assert poll.is_alive()  # nothing pending: it waits
+    queued_at = time.monotonic()
+    cid = _enqueue(queue)
+    poll.join(15)
+    assert got, "the long poll was not answered when the command was queued"
+    answered_at, commands = got[0]
+    assert [c.id for c in commands] == [cid]
+    assert answered_at - queued_at < 10  # the wait was 20 s: the bell answered it
+
+
+def test_a_long_poll_with_nothing_queued_answers_empty_after_its_wait_and_its_bound_is_checked(queue):
+    transport = queue.transport()
+    transport.wait_s = 0.5
+    t0 = time.monotonic()
+    assert transport.fetch() == []
+    assert time.monotonic() - t0 >= 0.5
+    with VigilClient(queue.live.url, token=queue.live.token(Role.AGENT)) as c:
+        with pytest.raises(ApiError) as e:
+            c.node_commands(NODE, wait_s=command_bell.MAX_WAIT_S + 1)
+        assert e.value.status_code == 422 and "wait_s" in str(e.value.detail)
+        t0 = time.monotonic()
+        assert c.node_commands(NODE, status=None, wait_s=5).count == 0  # only PENDING waits
+        assert time.monotonic() - t0 < 4
+
+
+def test_stopping_the_loop_does_not_wait_for_a_long_poll_under_way(queue):
+    ex = RecordingExecutor()
+    transport = queue.transport()
+    transport.wait_s = 20.0
+    r = queue.runner(ex, transport=transport)
+    loop = CommandLoop(r, interval_s=0.2)
+    loop.start()
+    time.sleep(0.5)  # the first poll waits on the controller
+    t0 = time.monotonic()
+    loop.stop()
+    assert time.monotonic() - t0 < 5 and ex.closed
+    _enqueue(queue)  # answers the poll still under way: the halted runner carries nothing out
+    time.sleep(1.0)
+    assert ex.ran == [] and r.stats.polls == 1

@@ -8,6 +8,8 @@ import sqlite3
 import pytest
 from sqlalchemy import event
 
+from controller.db import session_scope
+from controller.models import NodeCommandRow
 from controller.recovery.monitor import ON_RECORD_S, Monitor
 from tests.controller.recovery_env import API, Env
 
@@ -270,3 +272,23 @@ def test_a_fault_fires_although_another_writer_commits_while_its_pass_reads(env:
     assert [c["kind"] for c in env.commands("vigil-node-1")] == ["write_fault_file"]
     (fault,) = env.client.get(f"{API}/jobs/{env.job_id}/faults").json()["data"]
     assert fault["status"] == "FIRED", fault
+
+
+def test_an_agents_answer_wakes_the_monitor_once_it_is_stored(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stored answer (a hang's stacks, say) brings the monitor's next pass at once, not at its interval, and
+    only after the commit: a pass woken before it would not see the answer."""
+    env.steps(1, 2)
+    env.client.post(f"{API}/jobs/{env.job_id}/faults", json={"kind": "nan_loss", "rank": 0, "step": 40})
+    env.monitor.step()
+    (cmd,) = env.commands("vigil-node-1")
+    seen: list[str] = []
+
+    def status_when_woken() -> None:
+        with session_scope(env.monitor.sessions) as s:
+            seen.append(s.get(NodeCommandRow, cmd["id"]).status)
+
+    monkeypatch.setattr(env.monitor, "wake", status_when_woken)
+    env.answer("vigil-node-1", cmd["id"])
+    assert seen == ["DONE"]
+    env.answer("vigil-node-1", cmd["id"])  # a repeated answer changes nothing: no pass for it
+    assert seen == ["DONE"]

@@ -65,11 +65,12 @@ class BackgroundLoop:
         self._wake.set()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the loop to end and wait up to ``timeout`` for the pass under way to finish."""
+        """Ask the loop to end and wait up to ``timeout`` for the pass under way to finish (0: do not wait:
+        the pass ends by itself, and no other follows)."""
         self._stop.set()
         self._wake.set()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not threading.current_thread() and timeout > 0:
             thread.join(timeout)
             if thread.is_alive():
                 log.warning("%s still busy after %.0fs; leaving it", self.thread_name, timeout)

@@ -226,11 +226,18 @@ class VigilClient:
         return parse(NodeActionPublic, self._request("POST", f"{API}/nodes/{node_id}/readmit"))
 
     # -- node commands (agent role) -------------------------------------------------------------
-    def node_commands(self, node_id: str, status: str | None = "PENDING") -> NodeCommandsPublic:
-        """Commands for ``node_id``'s agent (``GET /nodes/{id}/commands``), oldest first; ``status=None``: all."""
-        params = {"status": status if status is not None else "ALL"}
+    def node_commands(self, node_id: str, status: str | None = "PENDING", wait_s: float = 0.0) -> NodeCommandsPublic:
+        """Commands for ``node_id``'s agent (``GET /nodes/{id}/commands``), oldest first; ``status=None``: all.
+        ``wait_s``: when none is pending, the controller answers as soon as one is queued, or after that long
+        (a long poll; this request's timeout is the client's plus ``wait_s``)."""
+        params: dict[str, Any] = {"status": status if status is not None else "ALL"}
+        kwargs: dict[str, Any] = {}
+        if wait_s > 0:
+            params["wait_s"] = wait_s
+            if self._http.timeout.read is not None:
+                kwargs["timeout"] = self._http.timeout.read + wait_s
         return parse(NodeCommandsPublic,
-            self._request("GET", f"{API}/nodes/{node_id}/commands", params=params))
+            self._request("GET", f"{API}/nodes/{node_id}/commands", params=params, **kwargs))
 
     def post_command_result(self, node_id: str, command_id: int, result: CommandResult) -> Any:
         """The agent's answer to one command; idempotent (a second answer is ignored by the controller)."""
