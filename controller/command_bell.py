@@ -23,8 +23,9 @@ from controller.db import on_commit
 
 LOOK_S = 0.02
 """How often a waiting request looks at the bell."""
-RECHECK_S = 2.0
-"""How often a waiting request reads the database anyway (commands queued by another process)."""
+RECHECK_S = 0.5
+"""How often a waiting request reads the database anyway: commands queued by another process (the
+leader among `vigil controller --workers` processes, a standby taking over), which this bell does not hear."""
 MAX_WAIT_S = 30.0
 """The longest wait a request may ask for."""
 
