@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
 from ops.localcluster import LocalCluster
+from tests.e2e.user_project import job_writable_dir
 from vigil.contract.client import VigilClient
 from vigil.contract.probe import wait_for
 from vigil.contract.schemas import JobCreate, JobStatus
@@ -23,10 +25,15 @@ from vigil.contract.schemas import JobCreate, JobStatus
 pytestmark = pytest.mark.slow
 
 STEPS = 150
+STEP_SLEEP_S = 0.05
+KILL_AT = 20
 
 
-def _spec() -> JobCreate:
-    return JobCreate.model_validate({
+def _spec(out: Path) -> JobCreate:
+    """The user's own loop (tests/vigil/live_entry.py) with a pause after each step: the kill must come
+    mid-job on any machine (the built-in trainer's 150 tiny steps took 0.8 s on a quiet one, and the kill
+    came after the last: the test then judged a job the agent never missed)."""
+    spec = JobCreate.model_validate({
         "name": "agent-kill9",
         "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
         "data": {"max_bytes": 100_000},
@@ -36,6 +43,10 @@ def _spec() -> JobCreate:
         "checkpoint": {"interval_steps": 50, "keep_last": 2},
         "recovery": {"policy": "evict_restart", "max_restarts": 3},
     })
+    return spec.model_copy(deep=True, update={
+        "entrypoint": "tests.vigil.live_entry:train_func",
+        "config": {"out": str(out), "step_sleep_s": STEP_SLEEP_S, "samples": 4096, "batch_size": 32, "features": 2,
+                   "classes": 8, "hidden": 32}})
 
 
 def _worker_node_of_a_rank(client: VigilClient, job_id: str) -> str:
@@ -49,12 +60,15 @@ def _worker_node_of_a_rank(client: VigilClient, job_id: str) -> str:
 def test_an_agent_killed_mid_job_comes_back_and_nothing_is_lost(shared_cluster: LocalCluster,
                                                                 shared_client: VigilClient) -> None:
     client = shared_client
-    job = client.submit_job(_spec())
-    wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 20, 240, "step 20")
+    spec = _spec(job_writable_dir(shared_cluster, "agent-kill9"))
+    job = client.submit_job(JobCreate.model_validate(spec.model_dump()))
+    wait_for(lambda: (client.get_job(job.id).last_step or 0) >= KILL_AT, 240, f"step {KILL_AT}")
     node = _worker_node_of_a_rank(client, job.id)
     name = f"agent-{node.rsplit('-', 1)[1]}"
     old = next(c for c in shared_cluster.procs.children if c.name == name and c.proc.poll() is None)
     os.kill(old.proc.pid, signal.SIGKILL)
+    at_kill = client.get_job(job.id)
+    assert not at_kill.status.is_terminal() and (at_kill.last_step or 0) < STEPS, at_kill  # mid-job
 
     def back() -> int | None:
         with shared_cluster.procs.lock:
