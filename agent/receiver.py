@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -227,6 +228,9 @@ class RankTracker:
         self._forget_after = forget_dead_after_s
         self._capacity = capacity
         self._ranks: dict[tuple[str, int], _RankSeen] = {}
+        self._retired: dict[tuple[str, int, int], _RankSeen] = {}
+        """Processes a rank ran in before its newest one here (a live job's replacement on this node): reported
+        once dead, so that the controller sees the old one die even when its successor came at once."""
         self._lock = threading.Lock()
 
     def observe(self, samples: Iterable[Sample]) -> None:
@@ -251,15 +255,20 @@ class RankTracker:
                         first = prev.started
                     else:
                         first = started.get(s.pid, None)
+                        if prev is not None:
+                            self._retired[(s.job_id, s.rank, prev.pid)] = prev
+                    self._retired.pop((s.job_id, s.rank, s.pid), None)
                     self._ranks[key] = _RankSeen(s.pid, now, wall, first)
             while len(self._ranks) > self._capacity:
                 self._ranks.pop(next(iter(self._ranks)))
+            while len(self._retired) > self._capacity:
+                self._retired.pop(next(iter(self._retired)))
 
     def pids(self) -> dict[int, float]:
         """Every tracked rank pid -> unix time of its latest sample (the agent's pid rule)."""
         with self._lock:
             out: dict[int, float] = {}
-            for seen in self._ranks.values():
+            for seen in [*self._ranks.values(), *self._retired.values()]:
                 out[seen.pid] = max(out.get(seen.pid, 0.0), seen.last_seen_wall)
             return out
 
@@ -279,14 +288,18 @@ class RankTracker:
         """
         now = self._clock()
         with self._lock:
-            items = list(self._ranks.items())
+            items: list[tuple[tuple[str, int] | tuple[str, int, int], _RankSeen]] = [
+                *self._retired.items(), *self._ranks.items()]
         out: list[RankProcess] = []
-        forget: list[tuple[str, int]] = []
-        for (job_id, rank), seen in items:
+        forget: list[tuple[str, int] | tuple[str, int, int]] = []
+        for key, seen in items:
+            job_id, rank = key[0], key[1]
             alive = self._alive(seen)
             if not alive and now - seen.last_seen > self._forget_after:
-                forget.append((job_id, rank))
+                forget.append(key)
                 continue
+            if alive and len(key) == 3:
+                continue  # a former process of the rank, still running: the rank is where its newest one is
             if not alive and seen.dead_since is None:
                 # When the death was first seen: when a worker group dies, the rank that died first
                 # is the culprit and the others were taken down after it.
@@ -297,9 +310,10 @@ class RankTracker:
         if forget:
             with self._lock:
                 for key in forget:
-                    latest = self._ranks.get(key)  # a new sample may have come in meanwhile
+                    table: dict[Any, _RankSeen] = self._retired if len(key) == 3 else self._ranks
+                    latest = table.get(key)  # a new sample may have come in meanwhile
                     if latest is not None and now - latest.last_seen > self._forget_after:
-                        del self._ranks[key]
+                        del table[key]
                         if self._exits is not None:
                             self._exits.forget(latest.pid)
         return out

@@ -44,3 +44,12 @@ def rank_locations(session: Session, job_id: str) -> dict[int, RankLocation]:
                     not loc.alive and not cur.alive and (loc.dead_since or 0.0) > (cur.dead_since or 0.0)):
                 out[int(r["rank"])] = loc
     return out
+
+
+def rank_deaths(session: Session, job_id: str) -> list[tuple[int, RankLocation]]:
+    """Every dead process of ``job_id``'s ranks the heartbeats report, (rank, where), a rank running again
+    elsewhere or in a newer process included (a live replacement): one rank's death is not hidden by its
+    successor, as it is in :func:`rank_locations`. Nodes marked DEAD are left out."""
+    return [(int(r["rank"]), RankLocation(node.id, int(r.get("pid", 0)), False, r.get("dead_since")))
+            for node in session.scalars(select(Node).where(Node.state != NodeState.DEAD.value)).all()
+            for r in node.ranks or [] if r.get("job_id") == job_id and not r.get("alive", True)]

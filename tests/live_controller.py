@@ -83,6 +83,30 @@ def step_sample(job_id: str, rank: int, step: int, **fields: Any) -> StepSample:
     return StepSample(**values)
 
 
+class InFlight:
+    """ASGI wrapper counting the requests being handled, handler and its session's commit included, but
+    not an agent's long poll for commands (it may wait seconds for a command that only a settled write
+    would queue: :meth:`LiveController.settle` would wait on it)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.count = 0
+        self._lock = threading.Lock()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        counted = scope["type"] == "http" and not (
+            scope["path"].endswith("/commands") and b"wait_s=" in scope.get("query_string", b""))
+        if counted:
+            with self._lock:
+                self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if counted:
+                with self._lock:
+                    self.count -= 1
+
+
 class LiveController:
     """The real controller app in a uvicorn thread, on SQLite in ``home``. ``stop()``/``start()`` keep the port.
 
@@ -113,6 +137,7 @@ class LiveController:
         self.port = 0
         self.app: Any = None
         self._server: uvicorn.Server | None = None
+        self._busy: InFlight | None = None
         self._thread: threading.Thread | None = None
         self._seq: dict[str, int] = {}
         self._tokens: dict[str, str] = {}
@@ -131,7 +156,8 @@ class LiveController:
         app = build_app(settings, launcher=self.launcher, dashboard=self._mount_dashboard)
         if self._extend is not None:
             self._extend(app, self.url)
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
+        self._busy = InFlight(app)
+        config = uvicorn.Config(self._busy, log_level="warning", lifespan="on", access_log=False,
                                 timeout_graceful_shutdown=2)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
@@ -163,10 +189,9 @@ class LiveController:
         response has been sent (FastAPI runs the exit of a request-scoped ``yield`` dependency then),
         so a client that got its 2xx may still find the write missing for a moment; the helpers
         below settle after writing and before reading."""
-        server = self._server
-        if server is not None:
-            wait_for(lambda: not server.server_state.tasks, timeout=timeout, interval=0.005,
-                     what="requests in flight to finish")
+        busy = self._busy
+        if self._server is not None and busy is not None:
+            wait_for(lambda: not busy.count, timeout=timeout, interval=0.005, what="requests in flight to finish")
 
     def __enter__(self) -> Self:
         return self.start()

@@ -44,10 +44,11 @@ from vigil.comm import Comm
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_MS = 1000
-"""Lighthouse: a replica silent this long is out of the next quorum (managers beat every 100 ms, from a thread
-of their own: ten beats missed). A dead replica holds the survivors' next quorum this long: with a kill every
-60 s, 2 s of it kept ETTR at 0.973 (docs/BENCHMARKS.md)."""
+HEARTBEAT_TIMEOUT_MS = 500
+"""Lighthouse: a replica silent this long is out of the next quorum (managers beat every 100 ms, from a Rust
+thread of their own, which the Python GIL does not hold up: five beats missed). A dead replica holds the
+survivors' next quorum this long: with a kill every 60 s, 2 s of it kept ETTR at 0.973, 1 s at 0.977
+(docs/BENCHMARKS.md)."""
 JOIN_TIMEOUT_MS = 5000
 """Lighthouse: how long a quorum waits for a replica that beats but did not ask (a slow one; a hung one,
 once: a quorum without it is not waited on again). Shorter leaves replicas out of quorums on a busy machine."""

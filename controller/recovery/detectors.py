@@ -81,7 +81,7 @@ def lost_nodes(s: Session, now: float, timeout_s: float, since: float | None = N
         findings = []
         for job_id in running or [None]:
             job = s.get(Job, job_id) if job_id else None
-            ranks = sorted(int(r["rank"]) for r in node.ranks or [] if r.get("job_id") == job_id)
+            ranks = sorted({int(r["rank"]) for r in node.ranks or [] if r.get("job_id") == job_id})
             findings.append(Finding(IncidentKind.NODE_LOST, job_id, node.id, ranks[0] if len(ranks) == 1 else None,
                                     {"heartbeat_age_s": round(age, 2), "timeout_s": timeout_s, "ranks": ranks},
                                     step=job.last_step if job else None))
@@ -103,14 +103,19 @@ def nodes_heard_again(s: Session) -> list[Incident]:
 # -- ranks ----------------------------------------------------------------------------------------------
 
 
-def rank_died(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: float) -> list[Finding]:
-    """The rank whose process died first (the agents report each rank's pid alive or not)."""
+def rank_died(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: float,
+              live: bool = False) -> list[Finding]:
+    """The rank whose process died first (the agents report each rank's pid alive or not). ``live``: each
+    death is its own (live recovery replaces one replica, the others train on: no group goes down after it),
+    and is found although the rank already runs again (a warm spare took over before the death was named)."""
     if job.last_step is not None and job.last_step >= steps:
         return []  # the job is finishing: its ranks exit
     # Deaths before the current worker group started belong to an older group (Ray Train's restart, or
     # Vigil's own kill or rollback, took it down): neither a new culprit nor a stale pid to name.
     attempt = reads.current_attempt(s, job.id)
     started = reads.attempt_started(s, job.id, attempt) if attempt > 1 else None  # attempt 1: no older group
+    if live:
+        return _replica_died(s, job, th, now, started)
     dead = {rank: loc for rank, loc in reads.rank_locations(s, job.id).items()
             if not loc.alive and not (started is not None and loc.dead_since is not None and loc.dead_since < started)}
     for rank, loc in dead.items():
@@ -126,6 +131,22 @@ def rank_died(s: Session, job: Job, steps: int, th: RecoveryThresholds, now: flo
     return [Finding(IncidentKind.RANK_DIED, job.id, first.node_id, first_rank, {
         "pid": first.pid, "last_step": job.last_step, "dead_since": first.dead_since,
         "also_dead": {str(r): loc.dead_since for r, loc in dead.items() if r != first_rank}}, step=job.last_step)]
+
+
+def _replica_died(s: Session, job: Job, th: RecoveryThresholds, now: float, started: float | None) -> list[Finding]:
+    """:func:`rank_died` under live recovery: the first death not named yet, once it is ``death_grace_s`` old."""
+    deaths = sorted(((loc.dead_since or now, rank, loc) for rank, loc in reads.rank_deaths(s, job.id)
+                     if not (started is not None and loc.dead_since is not None and loc.dead_since < started)),
+                    key=lambda d: (d[0], d[1]))
+    for _, rank, loc in deaths:
+        if reads.death_seen(s, job.id, rank, loc.pid):
+            continue
+        if loc.dead_since is not None and now - loc.dead_since < th.death_grace_s:
+            return []
+        return [Finding(IncidentKind.RANK_DIED, job.id, loc.node_id, rank, {
+            "pid": loc.pid, "last_step": job.last_step, "dead_since": loc.dead_since, "also_dead": {}},
+            step=job.last_step)]
+    return []
 
 
 # -- loss -----------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ class Monitor(BackgroundLoop):
         live = spec.recovery.policy == RecoveryPolicy.LIVE
         self._give_up_stale_actions(s, job, now)
         self._detect(s, job, spec, IncidentKind.RANK_DIED,
-                     lambda: detectors.rank_died(s, job, spec.steps, th, self.clock()))
+                     lambda: detectors.rank_died(s, job, spec.steps, th, self.clock(), live=live))
         self._respond_all(s, job, spec, detectors.loss(s, job, th))
         hang = reads.under_way(s, job.id, IncidentKind.HANG)
         if hang is not None:

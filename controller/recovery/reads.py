@@ -15,6 +15,7 @@ from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
 from controller.locate import RankLocation
+from controller.locate import rank_deaths as _rank_deaths
 from controller.locate import rank_locations as _rank_locations
 from controller.models import (
     Checkpoint,
@@ -51,6 +52,11 @@ def alive_nodes(s: Session) -> Sequence[Node]:
 def rank_locations(s: Session, job_id: str) -> dict[int, RankLocation]:
     """Where each rank of the job runs (node, pid, alive), from the newest heartbeats."""
     return _rank_locations(s, job_id)
+
+
+def rank_deaths(s: Session, job_id: str) -> list[tuple[int, RankLocation]]:
+    """Every dead rank process of the job the heartbeats report, those with a successor included."""
+    return _rank_deaths(s, job_id)
 
 
 # -- incidents -------------------------------------------------------------------------------------------

@@ -158,6 +158,28 @@ def test_rank_tracker_follows_a_restarted_rank():
     assert [(p.rank, p.pid) for p in tracker.processes()] == [(0, 101)]
 
 
+def test_a_ranks_former_process_is_reported_once_dead_beside_its_successor_then_forgotten():
+    """A live job's replacement on the same node reports the rank at once: the former process's death is
+    still reported (dead, with its time), or the controller would never see that the rank died."""
+    clock = FakeClock()
+    alive = {100: True, 101: True}
+    tracker = RankTracker(is_alive=lambda pid: alive[pid], clock=clock, forget_dead_after_s=60,
+                          wall_clock=lambda: 1000.0 + clock())
+    tracker.observe([StepSample.model_validate(step_dict(5, rank=1, pid=100))])
+    tracker.observe([StepSample.model_validate(step_dict(6, rank=1, pid=101))])
+    assert [(p.rank, p.pid, p.alive) for p in tracker.processes()] == [(1, 101, True)]  # the former one runs
+    alive[100] = False
+    clock.advance(2)
+    procs = tracker.processes()
+    assert [(p.rank, p.pid, p.alive) for p in procs] == [(1, 100, False), (1, 101, True)]
+    assert procs[0].dead_since is not None and procs[1].dead_since is None
+    assert set(tracker.pids()) == {100, 101}
+    clock.advance(61)
+    tracker.observe([StepSample.model_validate(step_dict(7, rank=1, pid=101))])
+    assert [(p.rank, p.pid, p.alive) for p in tracker.processes()] == [(1, 101, True)]
+    assert set(tracker.pids()) == {101}
+
+
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux >= 5.3 only")
 def test_exit_watcher_orders_deaths_seen_in_one_check():
     """Two real processes die 0.5 s apart; the tracker looks only afterwards, once. The watcher's exit

@@ -334,3 +334,42 @@ def test_a_warm_spare_that_healed_before_the_detection_is_a_recovery(env: Env) -
     env.monitor.step()
     second = [i for i in env.incidents() if i["id"] != inc["id"]]
     assert [i["status"] for i in second] == ["ACTING"]  # no heal since: not recovered
+
+
+def _processes(env: Env, node: str, procs: list[tuple[int, int, bool, float | None]]) -> None:
+    """A heartbeat of ``node``'s agent listing ``procs``: (rank, pid, alive, dead_since)."""
+    env.seq += 1
+    ranks = [{"job_id": env.job_id, "rank": r, "pid": p, "alive": a, "dead_since": d} for r, p, a, d in procs]
+    body = {"agent_id": f"agent-{node}", "node_id": node, "seq": env.seq, "sent_at": env.clock.now, "samples": [],
+            "heartbeat": {"ts": env.clock.now, "hostname": node, "ranks": ranks}}
+    assert env.client.post("/api/v1/telemetry", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("env", [{"recovery": {"policy": "live"}}], indirect=True)
+def test_live_a_death_is_named_although_a_spare_on_its_node_already_runs_the_rank(env: Env) -> None:
+    """A warm spare on the same node took rank 1 over before the death was named: its agent reports the rank's
+    new process alive beside the former one, dead (agent/receiver.py). The death is an incident all the same
+    (before, the live successor hid it: a kill with a fast spare left no incident), and a later death of
+    rank 0, while rank 1's former process is still reported dead, is one of its own."""
+    env.steps(1, 10)
+    died = env.clock.now
+    for _ in range(2):
+        _processes(env, "vigil-node-2", [(1, 1001, False, died), (1, 2001, True, None)])
+        env.clock.now += 1
+    env.monitor.step()
+    (inc,) = env.incidents()
+    assert (inc["kind"], inc["rank"], inc["node_id"], inc["evidence"]["pid"]) == ("rank_died", 1, "vigil-node-2", 1001)
+    _collective(env, 1, 11, "heal", "spare", 1000, 0.3)
+    env.pids[1] = 2001
+    env.steps(11, 12)
+    env.monitor.step()
+    assert env.incidents()[0]["status"] == "RECOVERED"
+    env.clock.now += 5
+    env.steps(13, 14)
+    died = env.clock.now
+    for _ in range(2):
+        _processes(env, "vigil-node-1", [(0, 1000, False, died), (0, 3000, True, None)])
+        _processes(env, "vigil-node-2", [(1, 1001, False, died - 7), (1, 2001, True, None)])
+        env.clock.now += 1
+    env.monitor.step()
+    assert sorted((i["rank"], i["evidence"]["pid"]) for i in env.incidents()) == [(0, 1000), (1, 1001)]
