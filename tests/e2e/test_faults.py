@@ -326,8 +326,8 @@ def test_live_a_rank_asleep_in_its_own_loop_is_found_from_the_collective_and_hea
     heals from rank 0; the incident is RECOVERED when it steps with rank 0, and the job SUCCEEDS.
 
     It runs before the tests that take nodes away: 2 replicas and a spare need 3 of the cluster's 4 CPUs.
-    The time from rank 1's stall to the first step together is measured by `vigil bench recovery --policy live`
-    (hang_rank); here it must be under the time-based floor, which alone would have waited 15 s to suspect."""
+    The time from rank 1's stall to the first step together must be under 10 s (6.33 s measured; the time-based
+    floor alone would have waited 15 s to suspect); `vigil bench recovery --policy live` (hang_rank) measures it too."""
     if os.geteuid() != 0:
         pytest.skip("py-spy needs ptrace rights (root) to read another process's stacks")
     out = job_writable_dir(cluster, "live-hang")
@@ -361,7 +361,9 @@ def test_live_a_rank_asleep_in_its_own_loop_is_found_from_the_collective_and_hea
     assert "warm spare" in json.dumps(inc["evidence"]["timeline"]), inc["evidence"]["timeline"]
     lines = [json.loads(x) for x in (out / "rank1.jsonl").read_text().splitlines() if x.strip()]
     stalled = next(r["ts"] for r in lines if r.get("stalled_at") == LIVE_STALL_AT)
-    assert phases["first_step_together"]["ts"] - stalled < 15.0, (stalled, phases)
+    back_s = phases["first_step_together"]["ts"] - stalled
+    print(f"live hang: rank 1 stalled -> the first step together again: {back_s:.2f} s")
+    assert back_s < 10.0, (stalled, phases)  # issue 27's bound (6.33 s measured, 2026-11-29)
     assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "ALIVE"  # nothing evicted
     series = {s.rank: s for s in client.job_metrics(job.id, max_points=100_000).ranks}
     # Rank 0 never stopped for long: every step once, in order (none run twice).
