@@ -127,8 +127,13 @@ def test_compare_page_from_the_url(page: Browser, dashboard_site: Site) -> None:
     link = page.css("#compare-link")[0].get_attribute("href")
     assert link == f"{dashboard_site.dashboard}compare?jobs={abc},{other}"
 
-    # Unknown ids are named, the others still drawn.
+    # Unknown ids are named, the others still drawn (a fresh load: the page left first, its polling stopped).
+    page.blank()
     page.get(f"{dashboard_site.dashboard}compare?jobs={abc},no-such-job")
-    page.wait_for(lambda: "no-such-job: no such job" in (page.text("compare-error") or ""), what="unknown job")
+    try:
+        page.wait_for(lambda: "no-such-job: no such job" in (page.text("compare-error") or ""), what="unknown job")
+    except AssertionError as e:  # what the page showed instead (seen once in CI under -n 2: not reproduced)
+        raise AssertionError(f"{e}; compare-error: {page.text('compare-error')!r}; url: {page.driver.current_url}; "
+                             f"console: {page.console()}") from None
     page.wait_for(lambda: (g := page.graph("compare-loss-step")) and len(g["traces"]) == 1, what="one trace")
     assert page.console_errors() == []
