@@ -220,6 +220,9 @@ def test_agent_token_scoped_to_a_node_acts_for_that_node_only(client: TestClient
     assert r.status_code == 403 and "scoped to node n1" in r.json()["detail"]
     r = client.get(f"{API}/nodes/n2/commands", headers=scoped)
     assert r.status_code == 403 and "n2" in r.json()["detail"]
+    t0 = time.monotonic()  # nor may it wait on another node's commands (the long poll): refused at once
+    assert client.get(f"{API}/nodes/n2/commands", params={"wait_s": 20}, headers=scoped).status_code == 403
+    assert time.monotonic() - t0 < 10
     assert client.post(f"{API}/nodes/n2/commands/1/result", json={"ok": True}, headers=scoped).status_code == 403
     assert client.get(f"{API}/jobs/{job_id}/metrics", headers=admin).json()["ranks"][0]["step"] == [0]
     assert [n["id"] for n in client.get(f"{API}/nodes", headers=admin).json()["data"]] == ["n1"]
