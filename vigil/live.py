@@ -100,6 +100,46 @@ def mark_failed(manager: Any) -> None:
     manager._commit_failures += 1
 
 
+def sum_over_quorum(manager: Any, tensor: torch.Tensor) -> None:
+    """SUM all-reduce of ``tensor`` over the quorum's process group, waited on. A failure (a peer died, or the
+    process group's timeout for a hung one) is reported to the manager, whose ``errored()`` the caller reads,
+    as torchft's ``Manager.allreduce`` reports it.
+
+    The process group is called directly: ``Manager.allreduce`` chains a timeout future and two callbacks, each
+    run on another thread, which cost about 1 ms per all-reduce on this machine (the gloo process group has its
+    own timeout, :data:`COLLECTIVE_TIMEOUT_S`). The quorum is complete here (``use_async_quorum=False``), so
+    the group is the quorum's; a replica left out of it contributes zeros, as torchft's does."""
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    if not manager.is_participating():
+        tensor.zero_()
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    try:
+        manager._pg.allreduce([tensor], opts).wait()
+    except Exception as e:  # noqa: BLE001 - any failure of the collective: the step is retried in a new quorum
+        manager.report_error(e)
+
+
+def commit_step(manager: Any) -> bool:
+    """torchft's ``Manager.should_commit`` for a replica group of one (Vigil's: each rank is its own group),
+    without its round trip to the group's manager server, which only agrees among a group's ranks (about
+    1 ms per step here). A replica healing, or with a recovery stream to wait for (CUDA), takes torchft's own."""
+    if manager._healing or manager._recovery_event is not None or manager._group_world_size != 1:
+        return bool(manager.should_commit())
+    if err := manager._pg.errored():
+        manager.report_error(err)
+    ok = manager.num_participants() >= manager._min_replica_size and manager.errored() is None
+    manager._checkpoint_transport.disallow_checkpoint()
+    if ok:
+        manager._step += 1
+        manager._batches_committed += manager.num_participants()
+        manager._commit_failures = 0
+    else:
+        manager._commit_failures += 1
+    return ok
+
+
 class LiveComm(Comm):
     """Vigil's communication layer over a torchft manager: all-reduces only, timed and counted as always.
 
@@ -161,14 +201,12 @@ class LiveComm(Comm):
 
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group_name: str, tag: str,
                     elements: int | None, keep: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import ReduceOp
-
         for attempt in range(RETRIES + 1):
             t0 = time.perf_counter()  # a failed attempt's wait is its reform's (below), not the all-reduce's
             n = self._participants()
             self.world_size = n
             if n > 1:
-                self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+                sum_over_quorum(self.manager, tensor)
             err = self.manager.errored()
             if err is None:
                 if op == dist.ReduceOp.AVG:
@@ -377,7 +415,7 @@ class LiveReplica:
                             f"{reached}; it restarts and heals from a peer")
 
     def end_step(self) -> None:
-        if not self.manager.should_commit():
+        if not commit_step(self.manager):
             raise LiveError(f"live recovery: rank {self.rank} could not commit its step "
                             f"({self.manager.errored()}); it restarts and heals from a peer")
 

@@ -5,6 +5,7 @@ recovery cannot do is refused by name; the job spec refuses ``live`` for optimiz
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,18 +13,31 @@ import torch
 from pydantic import ValidationError
 
 from vigil.contract.schemas import LIVE_OPTIMIZERS, JobCreate
-from vigil.live import RETRIES, SEQ_PER_STEP, LiveComm, LiveError
+from vigil.live import RETRIES, SEQ_PER_STEP, LiveComm, LiveError, commit_step, sum_over_quorum
 from vigil.live_driver import lighthouse_address
 
 
-class _Err:
-    def __init__(self, msg: str) -> None:
-        self.original_exception = RuntimeError(msg)
-
-
 class _Work:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
     def wait(self) -> None:
-        pass
+        if self.error is not None:
+            raise self.error  # as gloo's work raises when a peer died or timed out
+
+
+class _Group:
+    """The quorum's process group: sums with the manager's peers."""
+
+    def __init__(self, manager: FakeManager) -> None:
+        self.m = manager
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        assert opts.reduceOp == torch.distributed.ReduceOp.SUM
+        return self.m.reduce(tensors[0])
+
+    def errored(self) -> Exception | None:
+        return None
 
 
 class FakeManager:
@@ -35,22 +49,28 @@ class FakeManager:
         self.failures = failures
         self.quorums = 0
         self._commit_failures = 0  # torchft's: a new quorum id (process groups rebuilt) when > 0
-        self._errored: _Err | None = None
+        self._errored: Exception | None = None
+        self._pg = _Group(self)
 
     def num_participants(self) -> int:
         return 1 + len(self.peers)
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> _Work:
+    def is_participating(self) -> bool:
+        return True
+
+    def reduce(self, tensor: torch.Tensor) -> _Work:
         if self.failures > 0:
             self.failures -= 1
             tensor.fill_(float("nan"))
-            self._errored = _Err("peer died")
-        else:
-            tensor.add_(sum(self.peers))
+            return _Work(RuntimeError("peer died"))
+        tensor.add_(sum(self.peers))
         return _Work()
 
-    def errored(self) -> _Err | None:
-        return self._errored
+    def report_error(self, e: Exception) -> None:
+        self._errored = e
+
+    def errored(self) -> Any:
+        return None if self._errored is None else SimpleNamespace(original_exception=self._errored)
 
     def start_quorum(self) -> None:
         self.quorums += 1
@@ -81,11 +101,11 @@ class _SlowFailure(FakeManager):
         self.box, self.wait_s = comm_box, wait_s
         self.seen_inside: list[dict[str, Any]] = []
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> _Work:
+    def reduce(self, tensor: torch.Tensor) -> _Work:
         if self.failures > 0:
             self.seen_inside.append(self.box[0].progress())
             time.sleep(self.wait_s)
-        return super().allreduce(tensor, reduce_op)
+        return super().reduce(tensor)
 
 
 def test_progress_numbers_each_all_reduce_by_its_step_and_a_failed_wait_is_the_reforms_time() -> None:
@@ -165,3 +185,59 @@ def test_the_lighthouse_is_reached_at_the_drivers_node_address() -> None:
     assert lighthouse_address("http://somehost:29510", "198.18.0.1") == "http://198.18.0.1:29510"
     with pytest.raises(RuntimeError, match="no port"):
         lighthouse_address("http://somehost", "198.18.0.1")
+
+
+class _CommitManager(SimpleNamespace):
+    """torchft's manager as :func:`commit_step` reads it (a replica group of one)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(_healing=False, _recovery_event=None, _group_world_size=1, _min_replica_size=2, _step=4,
+                         _batches_committed=8, _commit_failures=0, _errored=None, pg_error=None, participants=2,
+                         disallowed=0, torchft_commits=0)
+        self.__dict__.update(kw)
+        self._pg = SimpleNamespace(errored=lambda: self.pg_error)
+        self._checkpoint_transport = SimpleNamespace(disallow_checkpoint=self._disallow)
+
+    def _disallow(self) -> None:
+        self.disallowed += 1
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def errored(self) -> Exception | None:
+        return self._errored
+
+    def report_error(self, e: Exception) -> None:
+        self._errored = e
+
+    def should_commit(self) -> bool:
+        self.torchft_commits += 1
+        return True
+
+
+def test_a_step_commits_locally_as_torchft_would_and_counts_what_it_counts() -> None:
+    m = _CommitManager()
+    assert commit_step(m) is True
+    assert (m._step, m._batches_committed, m._commit_failures, m.disallowed, m.torchft_commits) == (5, 10, 0, 1, 0)
+    m.pg_error = RuntimeError("gloo: connection closed")  # the group broke after the all-reduce
+    assert commit_step(m) is False
+    assert (m._step, m._commit_failures) == (5, 1) and m.errored() is m.pg_error  # a new quorum id next time
+    few = _CommitManager(participants=1)  # fewer replicas than min_replicas: the step does not count
+    assert commit_step(few) is False and few._step == 4 and few._commit_failures == 1
+
+
+@pytest.mark.parametrize("state", [{"_healing": True}, {"_recovery_event": object()}, {"_group_world_size": 2}])
+def test_a_healing_replica_or_a_bigger_group_commits_through_torchft(state: dict[str, Any]) -> None:
+    m = _CommitManager(**state)
+    assert commit_step(m) is True and m.torchft_commits == 1 and m._step == 4  # torchft's own counts its step
+
+
+def test_a_replica_outside_the_quorum_adds_zeros_and_a_failed_wait_is_reported() -> None:
+    m = FakeManager(peers=[5.0])
+    m.is_participating = lambda: False  # type: ignore[method-assign]
+    t = torch.full((2,), 3.0)
+    sum_over_quorum(m, t)
+    assert torch.equal(t, torch.full((2,), 5.0)) and m.errored() is None  # its own 3 left out
+    broken = FakeManager(peers=[5.0], failures=1)
+    sum_over_quorum(broken, torch.ones(2))
+    assert str(broken.errored().original_exception) == "peer died"
