@@ -13,6 +13,7 @@ BENCHMARKS = {
     "convergence": "vigil.bench.convergence",
     "overhead": "vigil.bench.overhead",
     "speedup": "vigil.bench.speedup",
+    "live-step": "vigil.bench.live_step",
     "ingest": "ops.bench.ingest",
     "recovery": "ops.bench.recovery",
     "stragglers": "ops.bench.stragglers",
@@ -36,6 +37,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench`` on ``sub``; its own flags pass through to the benchmark."""
-    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, ingest, recovery, stragglers, adapt, chaos, speedup, dashboard, security, footprint).",
+    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, live-step, ingest, recovery, stragglers, adapt, chaos, speedup, dashboard, security, footprint).",
                        add_help=False)
     b.add_argument("what")
