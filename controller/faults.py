@@ -130,8 +130,10 @@ def _fire(session: Session, job: Job, f: Fault, kind: FaultKind, cluster: Cluste
     elif kind == FaultKind.HANG_RANK:
         cmd = (CommandKind.STOP_PID, {"pid": loc.pid})  # type: ignore[union-attr]
     elif kind == FaultKind.SLOW_RANK and _in_rank(f):
-        cmd = (CommandKind.WRITE_FAULT_FILE, {"job_id": job.id, "rank": f.rank, "fault": {
-            "kind": "slow_rank", "step": f.step, "factor": float(f.params.get("factor", 3.0)), "fault_id": f.id}})
+        fault = {"kind": "slow_rank", "step": f.step, "factor": float(f.params.get("factor", 3.0)), "fault_id": f.id}
+        if f.params.get("mode") == "comm":
+            fault["mode"] = "comm"
+        cmd = (CommandKind.WRITE_FAULT_FILE, {"job_id": job.id, "rank": f.rank, "fault": fault})
     elif kind == FaultKind.SLOW_RANK:
         factor = float(f.params.get("factor", 3.0))
         cmd = (CommandKind.THROTTLE_PID, {"pid": loc.pid, "factor": factor,  # type: ignore[union-attr]
@@ -176,7 +178,7 @@ def _in_rank(f: Fault) -> bool:
     kind = FaultKind(f.kind)
     if kind in (FaultKind.KILL_RANK, FaultKind.HANG_RANK):
         return f.params.get("mode", "rank") == "rank"
-    return kind == FaultKind.NAN_LOSS or (kind == FaultKind.SLOW_RANK and f.params.get("mode") == "compute")
+    return kind == FaultKind.NAN_LOSS or (kind == FaultKind.SLOW_RANK and f.params.get("mode") in ("compute", "comm"))
 
 
 def _any_alive_node(session: Session) -> str | None:

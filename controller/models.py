@@ -296,6 +296,9 @@ class RankStepStat(Base):
     wire_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     lost_s: Mapped[float | None] = mapped_column(Float)
     """This rank's share of the step's seconds lost to slow ranks (None: unknown)."""
+    rel_own_s: Mapped[float | None] = mapped_column(Float)
+    """This rank's own time minus the step's median own time (None: unknown); the median of a rank's newest
+    values is its offset in the seconds-lost model (:mod:`controller.step_stats`)."""
 
 
 class CollectiveStepStat(Base):

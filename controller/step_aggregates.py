@@ -7,16 +7,25 @@ written in place of the earlier ones (:func:`write_step`). Wait, transfer and at
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import Connection, delete, func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 from controller.models import CollectiveMetric, CollectiveStepStat, JobStepStat, RankStepStat, StepMetric
-from controller.step_stats import attempt_spans, fastest_of_calls, p50, seconds_lost, step_figures
+from controller.step_stats import (
+    OFFSET_STEPS,
+    attempt_spans,
+    fastest_of_calls,
+    p50,
+    rel_to_median,
+    seconds_lost,
+    step_figures,
+)
 from controller.telemetry import bulk_insert
 
 RANK_STAT_COLUMNS = tuple(c.name for c in RankStepStat.__table__.columns)
@@ -66,12 +75,25 @@ class _KindRank:
 
 
 Kind = tuple[str, str, str]
+History = Callable[[Sequence[int]], Mapping[int, Sequence[float]]]
+"""Given ranks, each one's :func:`~controller.step_stats.rel_to_median` in the steps before this one (up to
+``OFFSET_STEPS - 1`` of them, oldest first): what a rank's offset (:func:`_offset`) is taken from, with this
+step's."""
+NEW_PACE_STEPS = 3
+"""See :func:`_offset`. A healthy rank above the median three steps running is a 1-in-8 chance of jitter, and
+then the least of three is a small excess: with 15 ms of jitter per rank a healthy 2-rank job is charged about
+a fifth of its jitter, against all of it by each step alone; a slowdown is charged from its third step."""
+MAX_CHARGED = 8
+"""A step's slowest ranks (by own time, above their peers' median) given an offset; the others count at their
+own time. Bounds the history read per step whatever the job's size."""
 
 
-def compute_step(job_id: str, step: int, step_rows: Iterable[Any], coll_rows: Iterable[Any]) -> StepAggregates | None:
+def compute_step(job_id: str, step: int, step_rows: Iterable[Any], coll_rows: Iterable[Any],
+                 history: History | None = None) -> StepAggregates | None:
     """Aggregate one step from its raw rows (each iterable in arrival order; rows with the attributes
     :data:`STEP_ROW_FIELDS` and :data:`COLL_ROW_FIELDS` name, e.g. SQLAlchemy rows). Later rows of the
-    same (rank) or (rank, seq) replace earlier ones. None when there is nothing to aggregate."""
+    same (rank) or (rank, seq) replace earlier ones. None when there is nothing to aggregate.
+    ``history``: the ranks' offsets before this step (None: this step alone)."""
     step_rows = list(step_rows)
     steps = {r.rank: r for r in step_rows}
     calls = {(c.rank, c.seq): c for c in coll_rows}
@@ -90,14 +112,16 @@ def compute_step(job_id: str, step: int, step_rows: Iterable[Any], coll_rows: It
         kr.ts = max(kr.ts, c.ts)
         transfer.setdefault(kind, {})[seq] = fastest[seq]
     return _assemble(job_id, step, steps, kinds, {k: sum(v.values()) for k, v in transfer.items()}, len(calls),
-                     attempt_spans((r.rank, r.ts, r.step_time_s) for r in step_rows))
+                     attempt_spans((r.rank, r.ts, r.step_time_s) for r in step_rows), history)
 
 
 def _assemble(job_id: str, step: int, steps: dict[int, Any], kinds: dict[Kind, dict[int, _KindRank]],
               transfer: dict[Kind, float], n_calls: int,
-              spans: tuple[float | None, list[list[float]] | None] = (None, None)) -> StepAggregates | None:
+              spans: tuple[float | None, list[list[float]] | None] = (None, None),
+              history: History | None = None) -> StepAggregates | None:
     """The three kinds of aggregate rows from per-rank step rows (named :data:`STEP_ROW_FIELDS`) and per
-    (kind, rank) collective totals (``spans``: :func:`attempt_spans` of the step rows)."""
+    (kind, rank) collective totals (``spans``: :func:`attempt_spans` of the step rows; ``history``: as
+    :func:`compute_step`'s)."""
     if not steps and not kinds:
         return None
     collectives: list[dict[str, Any]] = []
@@ -149,9 +173,10 @@ def _assemble(job_id: str, step: int, steps: dict[int, Any], kinds: dict[Kind, d
 
     times: dict[int, float] = {r["rank"]: r["step_time_s"] for r in ranks if r["step_time_s"] is not None}
     waits: dict[int, float] = {r["rank"]: r["comm_wait_s"] for r in ranks if r["comm_wait_s"] is not None}
-    lost = _lost(times, waits)
+    lost, rel = _lost(times, waits, history)
     for r in ranks:
         r["lost_s"] = lost[1].get(r["rank"]) if lost is not None else None
+        r["rel_own_s"] = rel.get(r["rank"])
     comms: list[float] = [r["comm_s"] for r in ranks if r["comm_s"] is not None]
     figures = step_figures(times, (r["loss"] for r in ranks), (s.val_loss for s in steps.values()),
                            (r["tokens_per_s"] for r in ranks))
@@ -170,11 +195,45 @@ def _assemble(job_id: str, step: int, steps: dict[int, Any], kinds: dict[Kind, d
     return StepAggregates(job=job, ranks=ranks, collectives=collectives)
 
 
-def _lost(times: dict[int, float], waits: dict[int, float]) -> tuple[float, dict[int, float]] | None:
-    """:func:`seconds_lost` over the ranks with both a step time and a wait (None: no rank's wait is known,
-    so no rank's own time is: the step's collectives were not captured)."""
+def _lost(times: dict[int, float], waits: dict[int, float],
+          history: History | None) -> tuple[tuple[float, dict[int, float]] | None, dict[int, float]]:
+    """(:func:`seconds_lost` over the ranks with both a step time and a wait, each rank's own time over its
+    peers'). The loss is None when no rank's wait is known, so no rank's own time is: the step's collectives
+    were not captured. A rank's offset: the median of its :func:`rel_to_median` in this step and the steps
+    ``history`` gives (for the :data:`MAX_CHARGED` slowest ranks above their peers; others: 0)."""
     own = {r: max(0.0, t - waits[r]) for r, t in times.items() if r in waits}
-    return seconds_lost(own) if own else None
+    if not own:
+        return None, {}
+    rel = rel_to_median(own)
+    slow = sorted((r for r, x in rel.items() if x > 0), key=lambda r: (-own[r], r))[:MAX_CHARGED]
+    past = history(slow) if history is not None and slow else {}
+    offsets = {r: _offset([*past.get(r, ()), rel[r]]) for r in slow}
+    return seconds_lost(own, offsets), rel
+
+
+def _offset(values: Sequence[float]) -> float:
+    """A rank's offset from its newest :func:`rel_to_median` values (oldest first, this step's last): their
+    median, or, once the newest :data:`NEW_PACE_STEPS` are all above it, the least of those (a new pace is
+    charged from its third step, not only once it fills half the window)."""
+    return max(statistics.median(values), min(values[-NEW_PACE_STEPS:]))
+
+
+def stored_history(conn: Connection, job_id: str, step: int) -> History:
+    """The ranks' stored :func:`rel_to_median` in the ``OFFSET_STEPS - 1`` steps before ``step`` (point reads
+    by primary key: a handful of ranks x 20 steps, whatever the job's size)."""
+    R = RankStepStat
+
+    def read(ranks: Sequence[int]) -> dict[int, list[float]]:
+        keys = [(st, r) for st in range(max(0, step - OFFSET_STEPS + 1), step) for r in ranks]
+        out: dict[int, list[float]] = {}
+        if keys:
+            for rank, value in conn.execute(select(R.rank, R.rel_own_s).where(
+                    R.job_id == job_id, tuple_(R.step, R.rank).in_(keys), R.rel_own_s.is_not(None))
+                    .order_by(R.step)).all():
+                out.setdefault(rank, []).append(float(value))
+        return out
+
+    return read
 
 
 def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None:
@@ -206,7 +265,7 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
     ).all()
     if any(r.first_attempt != r.last_attempt for r in per_kind_rank):
         coll_rows = conn.execute(select(*_COLL_FIELDS).where(*where).order_by(C.attempt, C.id)).all()
-        return compute_step(job_id, step, step_rows, coll_rows)
+        return compute_step(job_id, step, step_rows, coll_rows, stored_history(conn, job_id, step))
     # The fastest duration of each call (a call: every rank's seq-th call of the step), with its kind.
     per_call = conn.execute(
         select(C.op, C.group, C.tag, C.seq, func.min(C.duration_s)).where(*where).group_by(C.op, C.group, C.tag, C.seq)
@@ -243,7 +302,7 @@ def load_step(session: Session, job_id: str, step: int) -> StepAggregates | None
             dur=float(r.dur), wait=max(0.0, waits[(r.op, r.group, r.tag, r.rank)]), calls=int(r.calls),
             payload=int(r.payload), wire=int(r.wire), elements=int(r.elements), ts=float(r.ts), node=r.node)
         n_calls += int(r.calls)
-    return _assemble(job_id, step, steps, kinds, transfer, n_calls, spans)
+    return _assemble(job_id, step, steps, kinds, transfer, n_calls, spans, stored_history(conn, job_id, step))
 
 
 def write_step(session: Session, job_id: str, step: int, agg: StepAggregates | None) -> None:
@@ -258,4 +317,6 @@ def write_step(session: Session, job_id: str, step: int, agg: StepAggregates | N
     bulk_insert(session, "rank_step_stats", RANK_STAT_COLUMNS, list(map(_rank_stat_values, agg.ranks)))
 
 
-__all__ = ["COLL_ROW_FIELDS", "STEP_ROW_FIELDS", "StepAggregates", "compute_step", "load_step", "write_step"]
+__all__ = [
+    "COLL_ROW_FIELDS", "STEP_ROW_FIELDS", "StepAggregates", "compute_step", "load_step", "stored_history", "write_step",
+]

@@ -21,12 +21,18 @@ merged, in ``reruns`` (``[[start, end], ...]``, None when the step ran once). Th
 **Seconds lost to slow ranks** (:func:`seconds_lost`). A rank's *own* time in a step is its step
 time minus its wait inside the step's collectives: data, compute, optimizer and its share of the
 transfers, without the time it spent waiting for the others. A synchronous step lasts as long as its
-slowest rank's own time; had every rank run at the median rank's pace it would have lasted the median
-own time (nearest-rank: for two ranks, the faster one). The difference is the step's seconds lost,
-shared among the ranks above the median as in the airport game's Shapley value: each stretch between
-two consecutive own times is split equally among the ranks that reach it, so one slow rank carries all
-of it and two equally slow ranks half each; the shares sum to the step's loss. docs/RECOVERY.md
-("Seconds lost to slow ranks") gives the model's limits.
+slowest rank's own time. The step's seconds lost are how much sooner it would have ended had every rank
+run at its peers' pace: each rank's *offset* (how much slower than the step's median rank it has run
+lately: the median of its :func:`rel_to_median` over the newest :data:`OFFSET_STEPS` steps, never below 0) taken
+off its own time, its step-to-step jitter kept. A rank that is usually as fast as its peers costs
+nothing, even in a step where jitter made it the slowest (a healthy job loses ~0); a rank persistently
+``d`` slower costs about ``d`` per step, less where its peers' jitter would have made the step that long
+anyway (what the same job measures without the slow rank). Without history (one step alone), each rank's
+offset is its excess over the median this step: the step's slowest own time minus the median own time.
+The loss is shared among the ranks above the counterfactual step's end as in the airport game's Shapley
+value: each stretch between two consecutive own times is split equally among the ranks that reach it,
+so one slow rank carries all of it and two equally slow ranks half each; the shares sum to the step's
+loss. docs/RECOVERY.md ("Seconds lost to slow ranks") gives the model's limits.
 """
 
 from __future__ import annotations
@@ -79,14 +85,34 @@ def step_figures(times: Mapping[int, float], losses: Iterable[float | None], val
     return out
 
 
-def seconds_lost(own: Mapping[int, float]) -> tuple[float, dict[int, float]]:
+OFFSET_STEPS = 21
+"""Steps (this one and the 20 before) whose median :func:`rel_to_median` is a rank's offset: about ten steps
+after a rank turns slow its offset is its new pace; the median of 21 steps' jitter is ~0.27 of one step's."""
+
+
+def rel_to_median(own: Mapping[int, float]) -> dict[int, float]:
+    """Each rank's own time minus the step's nearest-rank median own time (with two ranks, the faster one's:
+    the slower rank's excess, 0 for the faster)."""
+    if not own:
+        return {}
+    median = nearest_rank(sorted(own.values()), 50)
+    return {r: t - median for r, t in own.items()}
+
+
+def seconds_lost(own: Mapping[int, float], offsets: Mapping[int, float] | None = None) -> tuple[float, dict[int, float]]:
     """The step's seconds lost to its slow ranks and each rank's share (see the module docstring), from
-    each rank's own time in the step. Fewer than two ranks: nothing lost."""
+    each rank's own time in the step and, per rank, its recent offset over its peers (a rank absent:
+    0; ``offsets`` None: each rank's excess over this step's median). Fewer than two ranks: nothing lost."""
     shares = dict.fromkeys(own, 0.0)
     if len(own) < 2:
         return 0.0, shares
-    reference = nearest_rank(sorted(own.values()), 50)
+    if offsets is None:
+        reference = nearest_rank(sorted(own.values()), 50)
+    else:
+        reference = max(t - max(0.0, offsets.get(r, 0.0)) for r, t in own.items())
     above = sorted(((t, r) for r, t in own.items() if t > reference), reverse=True)  # slowest first
+    if not above:
+        return 0.0, shares
     levels = [t for t, _ in above] + [reference]
     for i in range(len(above)):  # the stretch from levels[i + 1] to levels[i]: the i + 1 slowest reach it
         part = (levels[i] - levels[i + 1]) / (i + 1)
@@ -154,6 +180,7 @@ def waits_in_call(per_rank: Mapping[int, float]) -> dict[int, float]:
 
 
 __all__ = [
-    "attempt_spans", "fastest_of_calls", "finite_mean", "merge_spans", "nearest_rank", "p50", "p90", "seconds_lost",
+    "OFFSET_STEPS", "attempt_spans", "fastest_of_calls", "finite_mean", "merge_spans", "nearest_rank", "p50", "p90",
+    "rel_to_median", "seconds_lost",
     "step_figures", "waits_in_call",
 ]

@@ -12,7 +12,9 @@ rank wedged in a driver or a collective does; the controller's SIGCONT undoes it
 ``backward``, so NaN gradients and, unless something guards, NaN parameters follow for real.
 ``slow_rank``: from that step on, the rank's compute phase (forward + backward) takes ``factor``
 times as long (it waits ``factor - 1`` times the phase's own time after it): a slow accelerator,
-slow whatever else the host runs, unlike a SIGSTOP duty cycle whose effect a busy host dilutes.
+slow whatever else the host runs, unlike a SIGSTOP duty cycle whose effect a busy host dilutes. With
+``"mode": "comm"`` the same wait comes later, inside the optimizer step just before its collectives
+(a rank slow to communicate: its peers wait for it inside the collective).
 It lasts until the process ends or a later file sets ``factor`` 1. ``step``: the fault fires at the first step >= ``step`` this rank runs. ``fault_id``: the
 controller's id, echoed in the log.
 
@@ -45,6 +47,8 @@ KNOWN_KINDS = frozenset({NAN_LOSS, SLOW_RANK, KILL_RANK, HANG_RANK})
 PROCESS_KINDS = frozenset({KILL_RANK, HANG_RANK})
 """Kinds :func:`carry_out` does to this process (the others change what the step computes)."""
 MAX_SLOW_FACTOR = 100.0
+SLOW_MODES = ("compute", "comm")
+"""Where a ``slow_rank`` fault's wait goes: after the compute phase, or before the step's collectives."""
 
 
 
@@ -58,6 +62,8 @@ class Fault:
     fault_id: int | None = None
     factor: float = 1.0
     """``slow_rank``: how many times longer the compute phase takes (1: back to normal)."""
+    mode: str = "compute"
+    """``slow_rank``: where the wait goes (:data:`SLOW_MODES`)."""
 
 
 class FaultHook:
@@ -91,7 +97,7 @@ class FaultHook:
         self._seen, self._pending = None, None
         log.warning("fault %s (id %s) fires at step %d (asked for step %d)", fault.kind, fault.fault_id, step,
                     fault.step)
-        return Fault(kind=fault.kind, step=step, fault_id=fault.fault_id, factor=fault.factor)
+        return Fault(kind=fault.kind, step=step, fault_id=fault.fault_id, factor=fault.factor, mode=fault.mode)
 
     def _read(self) -> Fault | None:
         assert self.path is not None
@@ -106,6 +112,9 @@ class FaultHook:
             factor = body.get("factor", 1.0)
             if isinstance(factor, bool) or not isinstance(factor, int | float) or not 1.0 <= factor <= MAX_SLOW_FACTOR:
                 raise TypeError(f"factor must be a number from 1 to {MAX_SLOW_FACTOR:g}")
+            mode = body.get("mode", "compute")
+            if mode not in SLOW_MODES:
+                raise TypeError(f"mode must be one of {SLOW_MODES}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             # A half-written file (the writer should rename into place) or a bad one: look again
             # when it changes.
@@ -114,7 +123,7 @@ class FaultHook:
         if kind not in KNOWN_KINDS:
             log.warning("ignoring fault file %s: unknown kind %r (known: %s)", self.path, kind, sorted(KNOWN_KINDS))
             return None
-        return Fault(kind=kind, step=step, fault_id=fault_id, factor=float(factor))
+        return Fault(kind=kind, step=step, fault_id=fault_id, factor=float(factor), mode=mode)
 
 
 def carry_out(fault: Fault) -> None:

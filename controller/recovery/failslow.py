@@ -4,8 +4,10 @@
 The straggler score of :mod:`controller.recovery.stragglers` needs 1.7x over 10 steps; a 1.15x rank hides in
 a shared host's per-step noise there. This score trades time for sensitivity: over windows of 30, 60, 120
 and 200 scored steps (the longer, the lower the bar), per step a rank's **ratio to its peers** (its work
-divided by the median of the other ranks' work in that step; work is forward+backward, else the step time
-outside collectives). A rank is fail-slow when, in one of the windows:
+divided by the median of the other ranks' work in that step). Work is first forward+backward (compute-slow);
+where that names nobody, the step time outside the rank's collectives (``basis: "step"``: a rank late to its
+collectives for something other than compute, e.g. a slow communication path, is slow there while its
+peers' extra time is inside the collectives, waiting for it). A rank is fail-slow when, in one of the windows:
 
 * the median of its ratios reaches the window's bar (1.25, 1.15, then ``fail_slow_ratio`` = 1.1);
 * it was slower than its peers in more steps than chance allows: a sign test, ``k >= n/2 + 1.5 sqrt(n)``
@@ -68,37 +70,68 @@ def detect(s: Session, job: Job, th: RecoveryThresholds, busy: Any, steps_total:
     if len(_last_scored) > 10_000:  # ended jobs' entries: bounded, not kept for ever
         _last_scored.clear()
     _last_scored[job.id] = last
-    work = _work(s, job.id, last)
-    steps = sorted((st for st, per in work.items() if len(per) >= 2 and not busy(st, max(t for _, t in per.values()))),
-                   reverse=True)
-    for window, bar in WINDOWS:
-        if len(steps) < window + MIN_BEFORE:
-            break
-        found = _score(work, steps[:window], steps[window:window + 200], bar or th.fail_slow_ratio,
-                       th.fail_slow_change)
-        if found is not None:
-            rank, evidence = found
-            locations = reads.rank_locations(s, job.id)
-            loc = locations.get(rank)
-            node = loc.node_id if loc else None
-            evidence.update(window=window, steps=[steps[window - 1], steps[0]],
-                            contention=_contention(s, node, locations),
-                            eviction=eviction_arithmetic(s, job, rank, steps_total, th))
-            return [Finding(IncidentKind.STRAGGLER, job.id, node, rank, evidence, step=job.last_step)]
+    rows = _rows(s, job.id, last)
+    for basis in BASES:
+        work = _work(rows, basis)
+        steps = sorted((st for st, per in work.items() if len(per) >= 2 and not busy(st, max(t for _, t in per.values()))),
+                       reverse=True)
+        for window, bar in WINDOWS:
+            if len(steps) < window + MIN_BEFORE:
+                break
+            found = _score(work, steps[:window], steps[window:window + 200], bar or th.fail_slow_ratio,
+                           th.fail_slow_change)
+            if found is not None:
+                rank, evidence = found
+                locations = reads.rank_locations(s, job.id)
+                loc = locations.get(rank)
+                node = loc.node_id if loc else None
+                evidence.update(basis=basis, phase=_phase(rows, steps[:window], rank), window=window,
+                                steps=[steps[window - 1], steps[0]], contention=_contention(s, node, locations),
+                                eviction=eviction_arithmetic(s, job, rank, steps_total, th))
+                return [Finding(IncidentKind.STRAGGLER, job.id, node, rank, evidence, step=job.last_step)]
     return []
 
 
-def _work(s: Session, job_id: str, last: int) -> dict[int, dict[int, tuple[float, float]]]:
-    """step -> rank -> (work, ts) over the newest 400 steps of the current attempt."""
-    rows = s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s,
-                            StepMetric.comm_s, StepMetric.ts)
+BASES = ("compute", "step")
+"""What a rank's work is, in the order tried (module docstring)."""
+
+
+def _rows(s: Session, job_id: str, last: int) -> list[Any]:
+    """The newest 400 steps' samples of the current attempt."""
+    return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s,
+                            StepMetric.comm_s, StepMetric.data_s, StepMetric.ts)
                      .where(StepMetric.job_id == job_id, StepMetric.step > last - 400, StepMetric.step <= last,
                             StepMetric.attempt == reads.current_attempt(s, job_id))).all()
+
+
+def _outside(r: Any) -> float:
+    """The step time outside the rank's collectives."""
+    return max(0.0, r.step_time_s - (r.comm_s or 0.0))
+
+
+def _work(rows: list[Any], basis: str) -> dict[int, dict[int, tuple[float, float]]]:
+    """step -> rank -> (work, ts): forward+backward (``compute``; the step outside collectives where it is not
+    marked) or the step outside collectives (``step``)."""
     out: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
     for r in rows:
-        w = r.fwd_bwd_s if r.fwd_bwd_s is not None else max(0.0, r.step_time_s - (r.comm_s or 0.0))
+        w = r.fwd_bwd_s if basis == "compute" and r.fwd_bwd_s is not None else _outside(r)
         out[r.step][r.rank] = (w, r.ts)
     return out
+
+
+def _phase(rows: list[Any], window: list[int], rank: int) -> str:
+    """Where the rank's excess over its peers sits in the window: ``data``, ``forward_backward`` or ``other``
+    (the rest of the step outside its collectives: the optimizer, a late start of its collectives)."""
+    steps = set(window)
+    parts: dict[str, tuple[list[float], list[float]]] = {p: ([], []) for p in ("data", "forward_backward", "other")}
+    for r in rows:
+        if r.step not in steps:
+            continue
+        data, fb = r.data_s or 0.0, r.fwd_bwd_s or 0.0
+        for p, v in (("data", data), ("forward_backward", fb), ("other", _outside(r) - data - fb)):
+            parts[p][0 if r.rank == rank else 1].append(v)
+    excess = {p: statistics.median(own) - statistics.median(peers) for p, (own, peers) in parts.items() if own and peers}
+    return max(excess, key=lambda p: excess[p]) if excess else "forward_backward"
 
 
 def _ratios(work: dict[int, dict[int, tuple[float, float]]], steps: list[int]) -> dict[int, list[float]]:

@@ -7,15 +7,19 @@ On a local cluster (head with no CPUs + 2 worker raylets, real agents and contro
 * per co-tenant setting (none, or a process burning one CPU beside the job: on this one machine every node
   shares the CPUs, so it loads the job's nodes alike), a **fault-free** run of the same job (same seed):
   the true cost of a fault is its run's time from the fault's step to the end minus this run's;
-* per (factor, mode, co-tenant) **case**: rank 1 made ``factor`` x slower from step ``AT`` (``compute``:
-  its forward+backward ``factor`` x longer, the ``slow_rank`` fault's compute mode). ``detected_after_steps``:
-  the straggler incident's step minus ``AT`` (null: never); ``culprit_correct``: it names rank 1;
-  ``seconds_lost_reported``: ``GET /jobs/{id}/stragglers``' per-step seconds lost summed from ``AT`` on, as a
-  user reads it live (no fault-free run to subtract); ``noise_floor_s``: the same sum in the fault-free run
-  (its ranks' jitter); ``seconds_lost_true``: the wall-time difference above.
+* per (factor, mode, co-tenant) **case**: rank 1 made ``factor`` x slower from step ``AT`` by the
+  ``slow_rank`` fault (``compute``: its forward+backward ``factor`` x longer; ``comm``: the same seconds spent
+  late to its collectives, inside its optimizer step, its forward+backward at its peers' pace).
+  ``detected_after_steps``: the straggler incident's step minus ``AT`` (null: never); ``culprit_correct``: it
+  names rank 1; ``seconds_lost_reported``: ``GET /jobs/{id}/stragglers``' per-step seconds lost summed from
+  ``AT`` on, as a user reads it live (no fault-free run to subtract); ``noise_floor_s``: the same sum in the
+  fault-free run; ``seconds_lost_true``: what the fault cost, against the fault-free run step by step: the
+  steps' durations (rank 0's time from one step to the next) from ``AT`` on, the fault-free run's subtracted
+  step by step, their mean with the 5% highest and 5% lowest differences left out (a checkpoint's pause or a
+  hiccup of this shared machine that hit one run only) times the steps; ``seconds_lost_true_wall``: the plain
+  difference of the two runs' wall times over those steps.
 * ``clean``: one long run with the co-tenant; ``false_positives``: straggler incidents in it.
 
-Mode ``comm`` (a rank slow to communicate) is not injected yet: the cases list only what was run.
 Prints one JSON object with ``--json``.
 """
 
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -39,6 +44,21 @@ log = logging.getLogger("vigil.bench.stragglers")
 
 STEPS, AT = 300, 80
 FACTORS = (1.15, 1.3, 2.0)
+MODES = ("compute", "comm")
+TRIM = 0.05
+"""The share of paired step differences left out at each end for ``seconds_lost_true``."""
+
+
+def paired_cost(run: Mapping[int, float], clean: Mapping[int, float], first: int, last: int) -> float | None:
+    """What a fault cost: step by step from ``first`` to ``last``, the run's step duration minus the clean run's
+    (durations from each step's timestamp to the next), a mean trimmed by :data:`TRIM` at each end, times the
+    steps (None: a step missing in either run)."""
+    if any(st not in run or st not in clean for st in range(first, last + 1)):
+        return None
+    diffs = sorted((run[st] - run[st - 1]) - (clean[st] - clean[st - 1]) for st in range(first + 1, last + 1))
+    k = int(TRIM * len(diffs))
+    kept = diffs[k:len(diffs) - k] or diffs
+    return sum(kept) / len(kept) * len(diffs)
 
 
 class Cotenant:
@@ -91,13 +111,17 @@ class Bench(FaultRun):
         true = self.span(run, AT, STEPS)
         base = self.span(clean, AT, STEPS)
         noise = self.lost_from(clean, AT)
+        paired = paired_cost(run["ts"], clean["ts"], AT, STEPS)
         return {
             "factor": factor, "mode": mode, "cotenant": cotenant, "job_id": run["job_id"], "status": run["status"],
             "detected_after_steps": (inc["step_at_detect"] - AT) if inc and inc.get("step_at_detect") else None,
             "culprit_correct": bool(inc and inc["rank"] == 1),
             "class": inc["evidence"].get("class") if inc else None,
+            "basis": inc["evidence"].get("basis") if inc else None,
+            "phase": inc["evidence"].get("phase") if inc else None,
             "seconds_lost_reported": round(self.lost_from(run, AT), 3),
-            "seconds_lost_true": round(true - base, 3) if true is not None and base is not None else None,
+            "seconds_lost_true": round(paired, 3) if paired is not None else None,
+            "seconds_lost_true_wall": round(true - base, 3) if true is not None and base is not None else None,
             "noise_floor_s": round(noise, 3),
         }
 
@@ -108,9 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clean-steps", type=int, default=1000, help="Steps of the clean run under load (default 1000).")
     p.add_argument("--factors", default=",".join(map(str, FACTORS)), help="Comma-separated slow factors.")
     p.add_argument("--cotenant", choices=("both", "on", "off"), default="both", help="Co-tenant settings to run.")
+    p.add_argument("--modes", default=",".join(MODES), help="Comma-separated slow modes (compute, comm).")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     factors = [float(x) for x in args.factors.split(",") if x.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        p.error(f"--modes: {', '.join(bad)} not one of {', '.join(MODES)}")
     settings = {"both": (False, True), "on": (True,), "off": (False,)}[args.cotenant]
     home = Path(tempfile.mkdtemp(prefix="vigil-bench-stragglers-"))
     t0 = time.time()
@@ -121,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         for cotenant in settings:
             with Cotenant(cotenant):
                 clean = b.run_job(f"fault-free-{int(cotenant)}", STEPS, None)
-            cases += [b.case(f, "compute", cotenant, clean) for f in factors]
+            cases += [b.case(f, mode, cotenant, clean) for mode in modes for f in factors]
         clean_run = None
         if args.clean_steps > 0:
             with Cotenant(True):

@@ -2,8 +2,8 @@
 
 The figures of one case: steps to detection from the fault's step, the culprit, the seconds lost reported
 (the per-step sums from the fault's step on, as a user reads them live), the fault-free run's own sum (its
-jitter) and the true cost (the wall-time difference between the faulty run and the fault-free one from the
-fault's step to the end). The real run is in docs/BENCHMARKS.md.
+jitter) and the true cost (the faulty run's step durations minus the fault-free run's, step by step, a trimmed
+mean times the steps; and the plain wall-time difference). The real run is in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def test_one_case_is_measured_against_its_fault_free_run() -> None:
     assert b.asked == [{"kind": "slow_rank", "rank": 1, "step": AT, "params": {"factor": 1.3, "mode": "compute"}}]
     assert got["detected_after_steps"] == 12 and got["culprit_correct"] and got["class"] == "fail-slow"
     assert got["seconds_lost_true"] == pytest.approx((STEPS - AT) * 0.03)
+    assert got["seconds_lost_true_wall"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["seconds_lost_reported"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["noise_floor_s"] == pytest.approx((STEPS - AT) * 0.002)
 
@@ -48,6 +49,21 @@ def test_never_found_and_the_wrong_rank_are_said_so() -> None:
     assert Fake(_run(0.1, 0.0, None)).case(1.15, "compute", True, _run(0.1, 0.0, None))["detected_after_steps"] is None
     wrong = Fake(_run(0.1, 0.0, {"rank": 0, "step_at_detect": AT + 3, "evidence": {}}))
     assert wrong.case(2.0, "compute", True, _run(0.1, 0.0, None))["culprit_correct"] is False
+
+
+def test_a_comm_case_asks_for_the_comm_mode_and_reports_where_the_rank_was_slow() -> None:
+    inc = {"rank": 1, "step_at_detect": AT + 40, "evidence": {"class": "fail-slow", "basis": "step", "phase": "other"}}
+    b = Fake(_run(0.12, 0.02, inc))
+    got = b.case(1.15, "comm", True, _run(0.10, 0.0, None))
+    assert b.asked == [{"kind": "slow_rank", "rank": 1, "step": AT, "params": {"factor": 1.15, "mode": "comm"}}]
+    assert (got["mode"], got["basis"], got["phase"], got["detected_after_steps"]) == ("comm", "step", "other", 40)
+
+
+def test_the_true_cost_leaves_out_a_pause_that_hit_one_run_only() -> None:
+    clean = {st: st * 0.1 for st in range(AT, STEPS + 1)}
+    run = {st: st * 0.12 + (5.0 if st >= 150 else 0.0) for st in range(AT, STEPS + 1)}  # a 5 s checkpoint pause
+    assert stragglers.paired_cost(run, clean, AT, STEPS) == pytest.approx((STEPS - AT) * 0.02)
+    assert stragglers.paired_cost(run, {AT: 0.0}, AT, STEPS) is None  # a step missing: no figure
 
 
 def test_the_cotenant_burns_a_cpu_only_while_asked() -> None:

@@ -86,8 +86,48 @@ def test_a_rank_turned_slow_is_found_in_time_and_named(lc: LiveController, facto
         failslow._last_scored.pop(job, None)
         (f,) = _detect_upto(s, j, RecoveryThresholds(), at)
     assert f.kind == IncidentKind.STRAGGLER and f.rank == 2 and f.evidence["class"] == "fail-slow"
+    assert (f.evidence["basis"], f.evidence["phase"]) == ("compute", "forward_backward")
     assert f.evidence["median_ratio_to_peers"] >= 1.1 and f.evidence["change"] >= 1.08
     assert {"projected_lost_s", "cost_s", "worth", "restart_s", "steps_left"} <= set(f.evidence["eviction"])
+
+
+def _post_late(lc: LiveController, job: str, steps: range, late: dict[int, float], rng: random.Random) -> None:
+    """4 ranks' steps in which rank r starts its collectives ``(late[r] - 1) x`` its compute late (the
+    ``slow_rank`` fault's comm mode): its forward+backward keeps its peers' pace, they wait for it inside the
+    all-reduce, every rank's step lasts as long as the latest one's."""
+    samples = []
+    for st in steps:
+        compute = {r: BASE * rng.uniform(1 - NOISE, 1 + NOISE) for r in range(4)}
+        lateness = {r: (late.get(r, 1.0) - 1.0) * compute[r] for r in range(4)}
+        arrive = {r: compute[r] + lateness[r] for r in range(4)}
+        end = max(arrive.values()) + 0.005  # a 5 ms transfer once the last rank arrives
+        for r in range(4):
+            samples.append(step_sample(job, r, st, ts=st * 0.05, step_time_s=end + 0.002, fwd_bwd_s=compute[r],
+                                       comm_s=end - arrive[r], world_size=4))
+    lc.post_batch("n1", samples)
+    lc.settle()
+
+
+@pytest.mark.parametrize(("factor", "within"), [(1.3, 50), (1.15, 200)])
+def test_a_rank_turned_late_to_its_collectives_is_found_on_its_step_outside_them(lc: LiveController, factor: float,
+                                                                                 within: int) -> None:
+    job = _job(lc)
+    rng = random.Random(int(factor * 1000))
+    _post_late(lc, job, range(1, 101), {}, rng)
+    _post_late(lc, job, range(101, 401), {1: factor}, rng)
+    at = _scan(lc, job, 400)
+    assert at is not None and at - 100 <= within, at
+    with session_scope(lc.app.state.sessions) as s:
+        failslow._last_scored.pop(job, None)
+        (f,) = _detect_upto(s, s.get(Job, job), RecoveryThresholds(), at)
+    # Its forward+backward names nobody; the step outside its collectives does, the excess outside compute.
+    assert (f.rank, f.evidence["basis"], f.evidence["phase"]) == (1, "step", "other")
+
+
+def test_late_to_collectives_under_load_names_nobody_when_nobody_is_late(lc: LiveController) -> None:
+    job = _job(lc)
+    _post_late(lc, job, range(1, 601), {}, random.Random(11))
+    assert _scan(lc, job, 600, every=10) is None
 
 
 def test_the_whole_machine_slowed_by_other_load_is_no_straggler(lc: LiveController) -> None:

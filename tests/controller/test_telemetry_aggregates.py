@@ -32,7 +32,7 @@ from controller.models import (
     TelemetryBatchSeen,
     TelemetryDirtyStep,
 )
-from controller.step_aggregates import COLL_ROW_FIELDS, STEP_ROW_FIELDS, compute_step, load_step
+from controller.step_aggregates import COLL_ROW_FIELDS, STEP_ROW_FIELDS, compute_step, load_step, stored_history
 from tests.controller.samples import KINDS, coll_sample, random_run, step_sample
 from tests.controller.telemetry_client import make_client, post
 from vigil.contract.schemas import MAX_TELEMETRY_ITEMS
@@ -154,7 +154,7 @@ def test_aggregates_follow_the_definition_and_both_paths_agree(client: TestClien
             C = CollectiveMetric
             rows_c = s.execute(select(*(getattr(C, f) for f in reversed(COLL_ROW_FIELDS)))
                                .where(C.job_id == job, C.step == st).order_by(C.id)).all()
-            slow = compute_step(job, st, rows_s, rows_c)
+            slow = compute_step(job, st, rows_s, rows_c, stored_history(s.connection(), job, st))
             assert fast is not None and slow is not None
             assert fast.job == pytest.approx(slow.job)
             assert fast.ranks == [pytest.approx(r) for r in slow.ranks]

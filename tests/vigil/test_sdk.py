@@ -149,6 +149,31 @@ def test_slow_fault_stretches_the_compute_of_an_unmarked_loop(tmp_path: Path) ->
     assert during > 5 * before  # 20x asked; a busy host only adds
 
 
+def test_a_comm_slow_fault_makes_the_rank_late_to_its_collectives_not_slow_to_compute(tmp_path: Path) -> None:
+    fault = fault_file_path(tmp_path / "run", "job-comm", 0)
+    fault.parent.mkdir(parents=True)
+    fault.write_text(f'{{"kind": "{SLOW_RANK}", "step": 4, "factor": 20.0, "mode": "comm"}}')
+    sink = Sink()
+    vigil.run(lambda cfg: _user_loop(6, phases=False, work_s=0.01), vigil.RankContext(
+        rank=0, world_size=1, job_id="job-comm", telemetry=sink, fault_file=fault), _spec(checkpoint={"interval_steps": 0}))
+    before, during = sink.steps[1:3], sink.steps[3:]
+    # The same ~19 x 10 ms as the compute mode, spent in the optimizer phase before its collectives: forward+
+    # backward keeps its pace, the collectives' own timing does not include the wait.
+    assert min(s.optim_s for s in during) > 0.15 > 5 * max(s.optim_s for s in before)
+    assert max(s.fwd_bwd_s for s in during) < 0.1 and max(s.comm_s for s in during) < 0.1
+    assert min(s.step_time_s for s in during) > 0.19
+
+
+def test_a_fault_file_with_an_unknown_slow_mode_is_ignored(tmp_path: Path) -> None:
+    fault = fault_file_path(tmp_path / "run", "job-bad", 0)
+    fault.parent.mkdir(parents=True)
+    fault.write_text(f'{{"kind": "{SLOW_RANK}", "step": 2, "factor": 20.0, "mode": "sideways"}}')
+    sink = Sink()
+    summary = vigil.run(lambda cfg: _user_loop(4, phases=False, work_s=0.01), vigil.RankContext(
+        rank=0, world_size=1, job_id="job-bad", telemetry=sink, fault_file=fault), _spec(checkpoint={"interval_steps": 0}))
+    assert summary.faults == [] and max(s.step_time_s for s in sink.steps[1:]) < 0.15
+
+
 def test_misuse_is_refused_with_the_rule() -> None:
     ctx = vigil.RankContext(rank=0, world_size=1, job_id="j")
 

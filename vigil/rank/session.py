@@ -74,7 +74,10 @@ class Session:
         self._step: Step | None = None
         self._last_step_time = 0.0
         self._nan_step: int | None = None
-        self._slow = 1.0
+        self.slow_factor = 1.0
+        """A ``slow_rank`` fault's factor: each step's compute takes this many times as long (1.0: none)."""
+        self.slow_mode = "compute"
+        """Where a ``slow_rank`` fault's wait goes: ``compute`` or ``comm`` (:data:`vigil.faults.SLOW_MODES`)."""
         self._window: list[float] = []
         self._last: dict[str, Any] = {}
         self._last_val: float | None = None
@@ -232,11 +235,6 @@ class Session:
         """No step is open any more (the open one is neither recorded nor sent)."""
         self._step = None
 
-    @property
-    def slow_factor(self) -> float:
-        """A ``slow_rank`` fault's factor: each step's compute takes this many times as long (1.0: none)."""
-        return self._slow
-
     def step_opened(self, step: Step) -> None:
         """``step`` is entered (:meth:`Step.__enter__`): it becomes the open step, and a fault due at it fires."""
         if not step.auto:
@@ -262,7 +260,7 @@ class Session:
         elif fault.kind == NAN_LOSS:
             self._nan_step = step.number
         elif fault.kind == SLOW_RANK:
-            self._slow = fault.factor
+            self.slow_factor, self.slow_mode = fault.factor, fault.mode
 
     def step_closed(self, step: Step, *, failed: bool) -> None:
         """``step`` is left (:meth:`Step.__exit__`): no step is open; one that did not fail is recorded and sent."""

@@ -32,6 +32,11 @@ class StepHost(Protocol):
         """A ``slow_rank`` fault's factor: each step's compute takes this many times as long (1.0: none)."""
         ...
 
+    @property
+    def slow_mode(self) -> str:
+        """Where a ``slow_rank`` fault's wait goes: after compute (``compute``) or before the collectives (``comm``)."""
+        ...
+
     def open_step(self, what: str) -> Step:
         """The open step; a RuntimeError naming ``what`` (the caller) when none is open."""
         ...
@@ -84,6 +89,7 @@ class Optimizer:
         current.before_optimizer()
         t = time.perf_counter()
         try:
+            current.late_to_collectives()
             self.strategy.step(current.number, self.lr)
         finally:
             current.add_time("optimizer", time.perf_counter() - t)
@@ -123,6 +129,8 @@ class Step:
         """Wall clock of the first torch optimizer step in this step (its collectives were done by then)."""
         self._optimizer_t: float | None = None
         self._slowed = False
+        self._comm_delay = 0.0
+        """A ``comm`` slow-down's wait, due before this step's collectives (:meth:`late_to_collectives`)."""
         self.fault: str | None = None
         self.auto = False
         """Opened by Vigil at an optimizer step of code that does not mark steps (:mod:`vigil.rank.autostep`)."""
@@ -171,11 +179,23 @@ class Step:
         return self._optimizer_ns
 
     def _slow_down(self, compute_s: float) -> None:
-        """A ``slow_rank`` fault: the compute phase takes ``factor`` times as long (once per step)."""
+        """A ``slow_rank`` fault: the compute phase takes ``factor`` times as long (once per step); in ``comm``
+        mode that wait is kept for :meth:`late_to_collectives`."""
         factor = self.session.slow_factor
         if factor > 1.0 and not self._slowed:
             self._slowed = True
-            time.sleep((factor - 1.0) * max(0.0, compute_s))
+            wait = (factor - 1.0) * max(0.0, compute_s)
+            if self.session.slow_mode == "comm":
+                self._comm_delay = wait
+            else:
+                time.sleep(wait)
+
+    def late_to_collectives(self) -> None:
+        """The optimizer step's collectives are about to start: a ``comm`` slow-down's wait goes here, inside
+        the optimizer phase and outside every collective's timing (its peers wait for it in the collective)."""
+        wait, self._comm_delay = self._comm_delay, 0.0
+        if wait > 0:
+            time.sleep(wait)
 
     def before_optimizer(self) -> None:
         """The optimizer step is about to run: compute is over (an unmarked step's ``slow_rank`` acts here)."""
@@ -189,6 +209,7 @@ class Step:
             self._optimizer_ns = time.time_ns()
         self.before_optimizer()
         self._optimizer_t = time.perf_counter()
+        self.late_to_collectives()  # the user's optimizer: its peers wait at this rank's next collective
 
     def torch_optimizer_ended(self) -> None:
         """The torch optimizer's step ended: its time is the optimizer phase's."""

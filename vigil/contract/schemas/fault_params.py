@@ -30,7 +30,7 @@ class ProcessParams(_FaultParams):
 
 class SlowRankParams(_FaultParams):
     factor: float = Field(3.0, gt=1.0, le=100.0, description="How many times slower (above 1, at most 100).")
-    mode: Literal["throttle", "compute"] = "throttle"
+    mode: Literal["throttle", "compute", "comm"] = "throttle"
     period_s: float = Field(0.02, ge=0.005, le=10.0, description="throttle's stop/run cycle, seconds.")
 
 

@@ -62,10 +62,14 @@ PROCESS_MODES = ("rank", "agent")
 its fault file as soon as the fault is created); ``agent``, its node's agent signals the process once
 the controller has seen the job reach ``step`` (the step it really hit is later: ``hit_step``)."""
 
-SLOW_MODES = ("throttle", "compute")
+SLOW_MODES = ("throttle", "compute", "comm")
 """slow_rank's ways to slow a rank: ``throttle``, a SIGSTOP/SIGCONT duty cycle of its process by the
 agent (from outside, like a host CPU starved by something else: a busy host dilutes it); ``compute``,
-the rank's own compute phase made ``factor`` times longer (a slow accelerator: exact whatever the load)."""
+the rank's own compute phase made ``factor`` times longer (a slow accelerator: exact whatever the load);
+``comm``, the same seconds spent late to its collectives instead (the rank's step's collectives start
+``(factor - 1)`` x its compute phase late, inside its optimizer step: a slow communication path, a
+starved progress thread; its peers wait for it inside the collective, its forward+backward is as fast
+as theirs). A link that is slow for both of its ends is ``degrade_nic`` (network namespaces)."""
 
 
 class FaultCreate(_Strict):
