@@ -115,6 +115,7 @@ class StepMetric(Base):
     comm_wait_s: Mapped[float | None] = mapped_column(Float)
     val_loss: Mapped[float | None] = mapped_column(Float)
     dropped: Mapped[int] = mapped_column(Integer, default=0)
+    cpu_wait_s: Mapped[float | None] = mapped_column(Float)
 
 
 class CollectiveMetric(Base):

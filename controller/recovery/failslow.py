@@ -2,14 +2,16 @@
 1.34x), found without per-job tuning, and whether evicting it is worth what eviction costs.
 
 The straggler score of :mod:`controller.recovery.stragglers` needs 1.7x over 10 steps; a 1.15x rank hides in
-a shared host's per-step noise there. This score trades time for sensitivity: over windows of 30, 60, 120
-and 200 scored steps (the longer, the lower the bar), per step a rank's **ratio to its peers** (its work
-divided by the median of the other ranks' work in that step). Work is first forward+backward (compute-slow);
+a shared host's per-step noise there. This score trades time for sensitivity: over the newest 30, 40, ...,
+200 scored steps (the longer, the lower the bar), per step a rank's **ratio to its peers** (its work
+divided by the median of the other ranks' work in that step). Every length is tried, so that one window
+starts within 10 steps of when the rank turned slow: its "before" is then the rank's old pace, not a mix. Work is first forward+backward (compute-slow);
 where that names nobody, the step time outside the rank's collectives (``basis: "step"``: a rank late to its
 collectives for something other than compute, e.g. a slow communication path, is slow there while its
 peers' extra time is inside the collectives, waiting for it). A rank is fail-slow when, in one of the windows:
 
-* the median of its ratios reaches the window's bar (1.25, 1.15, then ``fail_slow_ratio`` = 1.1);
+* the median of its ratios reaches the window's bar (1.25 under 60 steps, 1.15 under 120, then
+  ``fail_slow_ratio`` = 1.1);
 * it was slower than its peers in more steps than chance allows: a sign test, ``k >= n/2 + 1.5 sqrt(n)``
   (three standard deviations of a fair coin; 0.77 of 30 steps, 0.61 of 200);
 * it is slower by at least :data:`MIN_EXCESS_S` (3 ms) per step;
@@ -20,8 +22,11 @@ peers' extra time is inside the collectives, waiting for it). A rank is fail-slo
 Why this is not fooled by other load: everything is relative to the peers in the same step, so a
 co-tenant that slows the whole machine (or every rank alike) moves numerator and denominator together,
 and the sign test holds a noisy but fair host to chance; a rank always a little behind (a busier node
-from the start) is an imbalance, caught by the change test, not a new fault. A node whose host is
-saturated while its peers' are not (the agents' ``cpu_percent``) is named as contention in the evidence.
+from the start) is an imbalance, caught by the change test, not a new fault. Load that slows *one* rank
+(a co-tenant sharing its CPU) shows in the rank's run-queue wait (``cpu_wait_s``: runnable, waiting for a
+CPU, as the kernel counts it): a rank whose excess over its peers is at least :data:`HOST_SHARE` run-queue
+wait over theirs is slowed by its host's other load, not slow itself, and is not named. A node whose host
+is saturated while its peers' are not (the agents' ``cpu_percent``) is named as contention in the evidence.
 
 **Worth evicting?** Evicting costs a restart: the job's own measured restarts (acted -> recovered of its
 earlier incidents, median) or ``fail_slow_restart_s``, plus the steps since the newest checkpoint done
@@ -46,7 +51,8 @@ from controller.recovery import reads
 from controller.recovery.detectors import Finding
 from vigil.contract.schemas import IncidentKind, RecoveryThresholds
 
-WINDOWS: tuple[tuple[int, float], ...] = ((30, 1.25), (60, 1.15), (120, 0.0), (200, 0.0))
+WINDOWS: tuple[tuple[int, float], ...] = tuple((n, 1.25 if n < 60 else 1.15 if n < 120 else 0.0)
+                                               for n in range(30, 201, 10))
 """(scored steps, the bar of the median ratio to peers; 0: the job's ``fail_slow_ratio``)."""
 MIN_BEFORE = 60
 """Scored steps a rank needs before the window for the change test."""
@@ -55,6 +61,8 @@ EVERY_STEPS = 5
 MIN_EXCESS_S = 0.003
 """A rank slower by less than this per step (median work over its peers') is not named: under 0.3 s per 100
 steps, not worth an incident (a tiny model's 1 ms compute phase doubles from scheduling alone)."""
+HOST_SHARE = 0.5
+"""A rank whose median run-queue wait over its peers' is at least this share of its excess is slowed by its host."""
 CONTENTION_CPU = 90.0
 """A host at or above this CPU percent, while its peers' median is 20 points lower, is contended."""
 
@@ -75,11 +83,12 @@ def detect(s: Session, job: Job, th: RecoveryThresholds, busy: Any, steps_total:
         work = _work(rows, basis)
         steps = sorted((st for st, per in work.items() if len(per) >= 2 and not busy(st, max(t for _, t in per.values()))),
                        reverse=True)
+        ratios = _step_ratios(work, steps)
         for window, bar in WINDOWS:
             if len(steps) < window + MIN_BEFORE:
                 break
-            found = _score(work, steps[:window], steps[window:window + 200], bar or th.fail_slow_ratio,
-                           th.fail_slow_change)
+            found = _score(work, ratios, steps[:window], steps[window:window + 200], bar or th.fail_slow_ratio,
+                           th.fail_slow_change, _cpu_waits(rows))
             if found is not None:
                 rank, evidence = found
                 locations = reads.rank_locations(s, job.id)
@@ -99,7 +108,7 @@ BASES = ("compute", "step")
 def _rows(s: Session, job_id: str, last: int) -> list[Any]:
     """The newest 400 steps' samples of the current attempt."""
     return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s,
-                            StepMetric.comm_s, StepMetric.data_s, StepMetric.ts)
+                            StepMetric.comm_s, StepMetric.data_s, StepMetric.cpu_wait_s, StepMetric.ts)
                      .where(StepMetric.job_id == job_id, StepMetric.step > last - 400, StepMetric.step <= last,
                             StepMetric.attempt == reads.current_attempt(s, job_id))).all()
 
@@ -134,14 +143,25 @@ def _phase(rows: list[Any], window: list[int], rank: int) -> str:
     return max(excess, key=lambda p: excess[p]) if excess else "forward_backward"
 
 
-def _ratios(work: dict[int, dict[int, tuple[float, float]]], steps: list[int]) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = defaultdict(list)
+def _step_ratios(work: dict[int, dict[int, tuple[float, float]]], steps: list[int]) -> dict[int, dict[int, float]]:
+    """step -> rank -> the rank's work over the median of its peers' in that step."""
+    out: dict[int, dict[int, float]] = {}
     for st in steps:
         per = work[st]
+        out[st] = {}
         for rank, (w, _) in per.items():
             peers = statistics.median(x for r, (x, _) in per.items() if r != rank)
             if peers > 0:
-                out[rank].append(w / peers)
+                out[st][rank] = w / peers
+    return out
+
+
+def _ratios(ratios: dict[int, dict[int, float]], steps: list[int]) -> dict[int, list[float]]:
+    """rank -> its ratios over ``steps`` (:func:`_step_ratios`)."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for st in steps:
+        for rank, x in ratios[st].items():
+            out[rank].append(x)
     return out
 
 
@@ -152,10 +172,28 @@ def _excess(work: dict[int, dict[int, tuple[float, float]]], steps: list[int], r
     return statistics.median(own) - statistics.median(peers) if own and peers else 0.0
 
 
-def _score(work: dict[int, dict[int, tuple[float, float]]], window: list[int], before: list[int], bar: float,
-           change_bar: float) -> tuple[int, dict[str, Any]] | None:
-    """The slowest rank that passes the window's three tests, with its evidence."""
-    now, past = _ratios(work, window), _ratios(work, before)
+def _cpu_waits(rows: list[Any]) -> dict[int, dict[int, float]]:
+    """step -> rank -> run-queue wait, where the rank reported one."""
+    out: dict[int, dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        if r.cpu_wait_s is not None:
+            out[r.step][r.rank] = r.cpu_wait_s
+    return out
+
+
+def _wait_excess(waits: dict[int, dict[int, float]], steps: list[int], rank: int) -> float | None:
+    """The rank's median run-queue wait over the steps minus its peers' (None: not reported)."""
+    own = [waits[st][rank] for st in steps if rank in waits.get(st, {})]
+    peers = [w for st in steps for r, w in waits.get(st, {}).items() if r != rank]
+    return statistics.median(own) - statistics.median(peers) if own and peers else None
+
+
+def _score(work: dict[int, dict[int, tuple[float, float]]], per_step: dict[int, dict[int, float]], window: list[int],
+           before: list[int], bar: float, change_bar: float,
+           waits: dict[int, dict[int, float]] | None = None) -> tuple[int, dict[str, Any]] | None:
+    """The slowest rank that passes the window's three tests and is not slowed by its host (``waits``: the
+    run-queue waits, :func:`_cpu_waits`), with its evidence."""
+    now, past = _ratios(per_step, window), _ratios(per_step, before)
     best: tuple[float, int, dict[str, Any]] | None = None
     for rank, ratios in now.items():
         n = len(ratios)
@@ -173,10 +211,13 @@ def _score(work: dict[int, dict[int, tuple[float, float]]], window: list[int], b
         excess = _excess(work, window, rank)
         if excess < MIN_EXCESS_S:
             continue
+        host = _wait_excess(waits or {}, window, rank)
+        if host is not None and host >= HOST_SHARE * excess:
+            continue
         evidence = {"class": "fail-slow", "median_ratio_to_peers": round(to_peers, 3), "threshold": bar,
                     "slower_steps": slower, "scored_steps": n, "sign_test_min": math.ceil(n / 2 + 1.5 * math.sqrt(n)),
                     "ratio_before": round(baseline, 3), "above_own_steps": above_own, "change": round(change, 3), "change_threshold": change_bar,
-                    "excess_s": round(excess, 5)}
+                    "excess_s": round(excess, 5), "cpu_wait_excess_s": None if host is None else round(host, 5)}
         if best is None or to_peers > best[0]:
             best = (to_peers, rank, evidence)
     return (best[1], best[2]) if best is not None else None

@@ -183,14 +183,15 @@ def checkpoint_busy(s: Session, job_id: str, interval: int, settle_s: float) -> 
     The rank that writes a checkpoint (rank 0 computes the manifest's checksums, an async save runs
     beside the next steps) is busy on purpose and must not look like a straggler. A step is in the
     shadow when it is within a third of the interval after a checkpoint step, unless that checkpoint
-    is known complete (its sample's time) more than ``settle_s`` before the step ran.
+    is known complete (its sample's time) more than ``settle_s`` before the step ran. The steps before the
+    first checkpoint step are never in a shadow (before this rule, a third of them went unscored).
     """
     if interval <= 1:
         return lambda st, ts: False
     done = reads.checkpoint_times(s, job_id)
 
     def busy(st: int, ts: float) -> bool:
-        if st % interval > interval // 3:
+        if st % interval > interval // 3 or st < interval:  # no checkpoint is taken at step 0
             return False
         finished = done.get(st - st % interval)
         return finished is None or ts <= finished + settle_s

@@ -32,13 +32,18 @@ def _never_busy(step: int, ts: float) -> bool:
 
 
 def _post(lc: LiveController, job: str, steps: range, factor: dict[int, float], rng: random.Random,
-          machine: float = 1.0, t0: float = 0.0, base: float = BASE) -> None:
-    """4 ranks' steps; rank r's compute = base x factor[r] x machine x noise."""
+          machine: float = 1.0, t0: float = 0.0, base: float = BASE, host: bool | None = None) -> None:
+    """4 ranks' steps; rank r's compute = base x factor[r] x machine x noise. ``host``: each rank reports its
+    run-queue wait, 1 ms plus (True) the time its factor added, as when other load on its CPU slowed it, or
+    (False) nothing more, as when the rank is slow by itself; None: not reported."""
     samples = []
     for st in steps:
         for r in range(4):
-            c = base * factor.get(r, 1.0) * machine * rng.uniform(1 - NOISE, 1 + NOISE)
-            samples.append(step_sample(job, r, st, ts=t0 + st * 0.05, step_time_s=c + 0.01, fwd_bwd_s=c, world_size=4))
+            pure = base * machine * rng.uniform(1 - NOISE, 1 + NOISE)
+            c = pure * factor.get(r, 1.0)
+            wait = None if host is None else 0.001 + (c - pure if host else 0.0)
+            samples.append(step_sample(job, r, st, ts=t0 + st * 0.05, step_time_s=c + 0.01, fwd_bwd_s=c, world_size=4,
+                                       cpu_wait_s=wait))
     lc.post_batch("n1", samples)
     lc.settle()
 
@@ -137,6 +142,26 @@ def test_the_whole_machine_slowed_by_other_load_is_no_straggler(lc: LiveControll
     _post(lc, job, range(1, 101), {}, rng)
     _post(lc, job, range(101, 401), {}, rng, machine=1.5)
     assert _scan(lc, job, 400) is None
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_a_rank_slowed_by_other_load_on_its_cpu_is_not_named_but_one_slow_by_itself_is(lc: LiveController,
+                                                                                    host: bool) -> None:
+    # Rank 2 turns 1.3x slow. With its extra time spent waiting for a CPU (a co-tenant on its core), that is
+    # its host's load, not the rank; with no more run-queue wait than its peers', it is slow by itself.
+    job = _job(lc)
+    rng = random.Random(21)
+    _post(lc, job, range(1, 101), {}, rng, host=host)
+    _post(lc, job, range(101, 401), {2: 1.3}, rng, host=host)
+    at = _scan(lc, job, 400)
+    if host:
+        assert at is None
+    else:
+        assert at is not None and at - 100 <= 50
+        with session_scope(lc.app.state.sessions) as s:
+            failslow._last_scored.pop(job, None)
+            (f,) = _detect_upto(s, s.get(Job, job), RecoveryThresholds(), at)
+        assert f.rank == 2 and f.evidence["cpu_wait_excess_s"] == pytest.approx(0.0, abs=1e-4)
 
 
 def test_a_rank_always_a_little_behind_is_an_imbalance_not_a_new_fault(lc: LiveController) -> None:

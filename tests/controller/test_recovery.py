@@ -266,6 +266,17 @@ def test_checkpoint_shadow_is_not_scored_until_the_checkpoint_completed(env: Env
     assert inc[0]["evidence"]["steps"] == [106, 115]
 
 
+@pytest.mark.parametrize("env", [{"checkpoint": {"interval_steps": 100}}], indirect=True)
+def test_the_steps_before_the_first_checkpoint_are_scored(env: Env) -> None:
+    # No checkpoint is taken at step 0: steps 1-33 are no checkpoint's shadow (they once went unscored, so a
+    # fault-free baseline before an early slowdown lost a third of its steps).
+    env.steps(1, 10)
+    env.steps(11, 25, compute={1: 0.15})
+    env.monitor.step()
+    inc = env.incidents()
+    assert [(i["kind"], i["rank"]) for i in inc] == [("straggler", 1)] and inc[0]["evidence"]["steps"][1] == 25
+
+
 def test_an_invalid_checkpoint_stays_on_record_after_its_folder_is_written_again(env: Env) -> None:
     ck = {"kind": "checkpoint", "job_id": env.job_id, "rank": 0, "step": 30, "ts": env.clock.now,
           "path": checkpoint_path(env.client.app, env.job_id, 30), "world_size": 2}

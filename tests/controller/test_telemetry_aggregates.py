@@ -32,7 +32,13 @@ from controller.models import (
     TelemetryBatchSeen,
     TelemetryDirtyStep,
 )
-from controller.step_aggregates import COLL_ROW_FIELDS, STEP_ROW_FIELDS, compute_step, load_step, stored_history
+from controller.step_aggregates import (
+    COLL_ROW_FIELDS,
+    STEP_ROW_FIELDS,
+    compute_step,
+    load_step,
+    stored_history,
+)
 from tests.controller.samples import KINDS, coll_sample, random_run, step_sample
 from tests.controller.telemetry_client import make_client, post
 from vigil.contract.schemas import MAX_TELEMETRY_ITEMS

@@ -8,6 +8,7 @@ every optimizer of the registry through :func:`vigil.sdk.optimizer` on a small M
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import time
@@ -88,8 +89,38 @@ def test_a_user_loop_sends_step_samples_with_its_phases_and_collectives(tmp_path
         assert s.data_s + s.fwd_bwd_s + s.optim_s + s.comm_s <= s.step_time_s + 1e-6
         # DDP AdamW's gradient all-reduce of this step, through the communication layer.
         assert ("all_reduce", "grads") in {(r.op, r.tag) for r in recs if r.step == s.step}
+        assert s.cpu_wait_s is not None and 0.0 <= s.cpu_wait_s <= s.step_time_s + 0.01
     assert summary.checkpoints == [3, 6] and summary.final_step == 6
     assert [(c.step, c.valid) for c in sink.checkpoints] == [(3, True), (6, True)]
+
+
+def _spin_loop(steps: int, spin_s: float) -> None:
+    vigil.init()
+    for step in range(1, steps + 1):
+        with vigil.step(step):
+            end = time.process_time() + spin_s  # CPU time, however long the wall clock takes to give it
+            while time.process_time() < end:
+                pass
+
+
+def test_a_step_reports_the_time_it_waited_for_a_cpu_another_process_held() -> None:
+    # The rank and a process burning CPU share one core: the kernel runs each about half the time, and the
+    # rank's step reports the other half as run-queue wait (what tells a host's load from a slow rank).
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    burner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)  # the burner runs, pinned
+        os.sched_setaffinity(0, {cpu})
+        sink = Sink()
+        vigil.run(lambda cfg: _spin_loop(3, 0.1), vigil.RankContext(rank=0, world_size=1, job_id="job-cpu",
+                                                                    telemetry=sink), _spec(checkpoint={"interval_steps": 0}))
+    finally:
+        os.sched_setaffinity(0, before)
+        burner.kill()
+        burner.wait()
+    for s in sink.steps:
+        assert s.cpu_wait_s is not None and s.cpu_wait_s > 0.3 * s.step_time_s, (s.cpu_wait_s, s.step_time_s)
 
 
 def test_unmarked_phases_are_inferred_and_the_rest_is_compute() -> None:

@@ -26,7 +26,7 @@ from vigil.optim import build_strategy
 from vigil.rank.adapt import Adaptation
 from vigil.rank.autostep import AutoSteps
 from vigil.rank.context import PreemptionSchedule, RankContext, TrainSummary
-from vigil.rank.step import Optimizer, Step
+from vigil.rank.step import Optimizer, Step, runqueue_since
 from vigil.rank.watch import Watcher
 from vigil.telemetry import TelemetrySink, finite_or_none
 
@@ -298,7 +298,7 @@ class Session:
                 step_time_s=step_time, tokens_per_s=s.tokens / step_time if step_time > 0 else 0.0,
                 data_s=data_s, fwd_bwd_s=fwd_bwd,
                 optim_s=max(0.0, optim_total - comm_s) if optim_total is not None else None,
-                comm_s=comm_s, val_loss=val_value, pid=self._pid,
+                comm_s=comm_s, val_loss=val_value, pid=self._pid, cpu_wait_s=runqueue_since(s.runqueue_start),
         )
         if self.capture is None and not s.auto:
             self.ctx.telemetry.send_step(sample, records)

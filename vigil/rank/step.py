@@ -24,6 +24,22 @@ from vigil.rank.context import PHASES
 log = logging.getLogger(__name__)
 
 
+def runqueue_s() -> float | None:
+    """Seconds this thread has waited, runnable, for a CPU since it started (Linux' ``/proc/thread-self/schedstat``,
+    its second field; None where unknown). A step's share: the difference between its end and its start."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def runqueue_since(start: float | None) -> float | None:
+    """The run-queue wait since ``start`` (a :func:`runqueue_s`; None: unknown)."""
+    now = runqueue_s()
+    return max(0.0, now - start) if now is not None and start is not None else None
+
+
 class StepHost(Protocol):
     """What a :class:`Step` and an :class:`Optimizer` need of the rank's session (which holds the open step)."""
 
@@ -125,6 +141,8 @@ class Step:
         self._open_phase: str | None = None
         self._t0 = time.perf_counter()
         self._start_ns = time.time_ns()
+        self.runqueue_start = runqueue_s()
+        """:func:`runqueue_s` when the step opened (None: unknown)."""
         self._optimizer_ns: int | None = None
         """Wall clock of the first torch optimizer step in this step (its collectives were done by then)."""
         self._optimizer_t: float | None = None
@@ -242,6 +260,7 @@ class Step:
         self.session.step_opened(self)  # a fault due at this step fires (and may hang it) before the clock starts
         self._t0 = time.perf_counter()
         self._start_ns = time.time_ns()
+        self.runqueue_start = runqueue_s()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:

@@ -81,7 +81,7 @@ class FaultCreate(_Strict):
     step: int = Field(0, ge=0, le=INT32_MAX, description="Fire once the job has reached this step (0: at once).")
     params: Params = Field(
         default_factory=dict, max_length=64,
-        description="Kind-specific: slow_rank factor (default 3) and mode (throttle | compute), durations in seconds, ...",
+        description="Kind-specific: slow_rank factor (default 3) and mode (throttle | compute | comm), durations in seconds, ...",
     )
 
     @model_validator(mode="after")

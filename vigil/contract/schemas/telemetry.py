@@ -84,6 +84,9 @@ class StepSample(_Strict):
     val_loss: Observed = None
     pid: int | None = Field(None, ge=0, le=INT32_MAX)
     dropped: int = Field(0, ge=0, le=INT32_MAX, description="Samples this rank dropped since its last delivered one.")
+    cpu_wait_s: Finite | None = Field(None, ge=0.0, description=(
+        "Time the rank's main thread was runnable but waited for a CPU during the step (the kernel's run-queue "
+        "delay, /proc/self/schedstat): a host whose CPUs are taken by something else; None where unknown."))
 
 
 class CollectiveSample(_Strict):
