@@ -13,11 +13,14 @@ On a local cluster (head with no CPUs + 2 worker raylets, real agents and contro
   ``detected_after_steps``: the straggler incident's step minus ``AT`` (null: never); ``culprit_correct``: it
   names rank 1; ``seconds_lost_reported``: ``GET /jobs/{id}/stragglers``' per-step seconds lost summed from
   ``AT`` on, as a user reads it live (no fault-free run to subtract); ``noise_floor_s``: the same sum in the
-  fault-free run; ``seconds_lost_true``: what the fault cost, against the fault-free run step by step: the
-  steps' durations (rank 0's time from one step to the next) from ``AT`` on, the fault-free run's subtracted
-  step by step, their mean with the 5% highest and 5% lowest differences left out (a checkpoint's pause or a
-  hiccup of this shared machine that hit one run only) times the steps; ``seconds_lost_true_wall``: the plain
-  difference of the two runs' wall times over those steps.
+  fault-free run; ``seconds_lost_true``: what the fault cost, against the fault-free run, each run's pace
+  after ``AT`` taken relative to its own pace before (steps ``WARMUP``-``AT``): two runs of the same job on
+  this shared machine differ in pace by more than a 1.15x fault costs, and the difference in differences
+  cancels that (a pace: the mean step duration, rank 0's time from one step to the next, with the 5%
+  longest and shortest left out: a checkpoint's pause, a hiccup); ``seconds_lost_true_paired``: the two
+  runs' step durations from ``AT`` on subtracted step by step, trimmed alike, times the steps (no
+  correction for the runs' different paces); ``seconds_lost_true_wall``: the plain difference of their wall
+  times over those steps.
 * ``clean``: one long run with the co-tenant; ``false_positives``: straggler incidents in it.
 
 Prints one JSON object with ``--json``.
@@ -49,16 +52,43 @@ TRIM = 0.05
 """The share of paired step differences left out at each end for ``seconds_lost_true``."""
 
 
+WARMUP = 20
+"""Steps left out of a run's pace before the fault (the first steps warm up)."""
+
+
+def trimmed_mean(values: list[float]) -> float:
+    """The mean with the :data:`TRIM` share of the values left out at each end."""
+    ordered = sorted(values)
+    k = int(TRIM * len(ordered))
+    kept = ordered[k:len(ordered) - k] or ordered
+    return sum(kept) / len(kept)
+
+
+def pace(ts: Mapping[int, float], first: int, last: int) -> float | None:
+    """A run's trimmed mean step duration over the steps after ``first`` up to ``last`` (None: a step missing)."""
+    if any(st not in ts for st in range(first, last + 1)):
+        return None
+    return trimmed_mean([ts[st] - ts[st - 1] for st in range(first + 1, last + 1)])
+
+
+def relative_cost(run: Mapping[int, float], clean: Mapping[int, float]) -> float | None:
+    """What the fault cost over the steps after ``AT``: the run's pace after it minus its pace before, less the
+    same for the clean run, times the steps (None: a step missing)."""
+    paces = [pace(ts, a, b) for ts in (run, clean) for a, b in ((AT, STEPS), (WARMUP, AT))]
+    if any(p is None for p in paces):
+        return None
+    after, before, clean_after, clean_before = paces
+    return ((after - before) - (clean_after - clean_before)) * (STEPS - AT)  # type: ignore[operator]
+
+
 def paired_cost(run: Mapping[int, float], clean: Mapping[int, float], first: int, last: int) -> float | None:
     """What a fault cost: step by step from ``first`` to ``last``, the run's step duration minus the clean run's
     (durations from each step's timestamp to the next), a mean trimmed by :data:`TRIM` at each end, times the
     steps (None: a step missing in either run)."""
     if any(st not in run or st not in clean for st in range(first, last + 1)):
         return None
-    diffs = sorted((run[st] - run[st - 1]) - (clean[st] - clean[st - 1]) for st in range(first + 1, last + 1))
-    k = int(TRIM * len(diffs))
-    kept = diffs[k:len(diffs) - k] or diffs
-    return sum(kept) / len(kept) * len(diffs)
+    diffs = [(run[st] - run[st - 1]) - (clean[st] - clean[st - 1]) for st in range(first + 1, last + 1)]
+    return trimmed_mean(diffs) * len(diffs)
 
 
 class Cotenant:
@@ -112,6 +142,7 @@ class Bench(FaultRun):
         base = self.span(clean, AT, STEPS)
         noise = self.lost_from(clean, AT)
         paired = paired_cost(run["ts"], clean["ts"], AT, STEPS)
+        relative = relative_cost(run["ts"], clean["ts"])
         return {
             "factor": factor, "mode": mode, "cotenant": cotenant, "job_id": run["job_id"], "status": run["status"],
             "detected_after_steps": (inc["step_at_detect"] - AT) if inc and inc.get("step_at_detect") else None,
@@ -120,7 +151,8 @@ class Bench(FaultRun):
             "basis": inc["evidence"].get("basis") if inc else None,
             "phase": inc["evidence"].get("phase") if inc else None,
             "seconds_lost_reported": round(self.lost_from(run, AT), 3),
-            "seconds_lost_true": round(paired, 3) if paired is not None else None,
+            "seconds_lost_true": round(relative, 3) if relative is not None else None,
+            "seconds_lost_true_paired": round(paired, 3) if paired is not None else None,
             "seconds_lost_true_wall": round(true - base, 3) if true is not None and base is not None else None,
             "noise_floor_s": round(noise, 3),
         }

@@ -39,7 +39,10 @@ def test_one_case_is_measured_against_its_fault_free_run() -> None:
     got = b.case(1.3, "compute", False, _run(0.10, 0.002, None))
     assert b.asked == [{"kind": "slow_rank", "rank": 1, "step": AT, "params": {"factor": 1.3, "mode": "compute"}}]
     assert got["detected_after_steps"] == 12 and got["culprit_correct"] and got["class"] == "fail-slow"
-    assert got["seconds_lost_true"] == pytest.approx((STEPS - AT) * 0.03)
+    # The clean run's pace is 0.10 s throughout, the faulty one's 0.13 s throughout (a slower machine before
+    # the fault too): relative to their own pace before the fault, the fault cost nothing; side by side, 0.03 s a step.
+    assert got["seconds_lost_true"] == pytest.approx(0.0, abs=1e-9)
+    assert got["seconds_lost_true_paired"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["seconds_lost_true_wall"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["seconds_lost_reported"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["noise_floor_s"] == pytest.approx((STEPS - AT) * 0.002)
@@ -64,6 +67,16 @@ def test_the_true_cost_leaves_out_a_pause_that_hit_one_run_only() -> None:
     run = {st: st * 0.12 + (5.0 if st >= 150 else 0.0) for st in range(AT, STEPS + 1)}  # a 5 s checkpoint pause
     assert stragglers.paired_cost(run, clean, AT, STEPS) == pytest.approx((STEPS - AT) * 0.02)
     assert stragglers.paired_cost(run, {AT: 0.0}, AT, STEPS) is None  # a step missing: no figure
+
+
+def test_the_true_cost_is_each_runs_change_of_pace_at_the_fault() -> None:
+    # The faulty run is 10% slower than the clean one from the start (the machine then), 0.025 s a step slower
+    # still from the fault on, and pauses 5 s once; the clean run slows by 0.005 s a step at the same point
+    # (drift both runs share). The fault's own cost: 0.02 s a step.
+    clean = {st: st * 0.1 + max(0, st - AT) * 0.005 for st in range(1, STEPS + 1)}
+    run = {st: st * 0.11 + max(0, st - AT) * 0.025 + (5.0 if st >= 150 else 0.0) for st in range(1, STEPS + 1)}
+    assert stragglers.relative_cost(run, clean) == pytest.approx((STEPS - AT) * 0.02)
+    assert stragglers.relative_cost(run, {st: 0.0 for st in range(AT, STEPS + 1)}) is None
 
 
 def test_the_cotenant_burns_a_cpu_only_while_asked() -> None:
