@@ -24,7 +24,7 @@ co-tenant that slows the whole machine (or every rank alike) moves numerator and
 and the sign test holds a noisy but fair host to chance; a rank always a little behind (a busier node
 from the start) is an imbalance, caught by the change test, not a new fault. Load that slows *one* rank
 (a co-tenant sharing its CPU) shows in the rank's run-queue wait (``cpu_wait_s``: runnable, waiting for a
-CPU, as the kernel counts it): a rank whose excess over its peers is at least :data:`HOST_SHARE` run-queue
+CPU, as the kernel counts it): a rank whose excess over its peers is at least :data:`~controller.recovery.stragglers.HOST_SHARE` run-queue
 wait over theirs is slowed by its host's other load, not slow itself, and is not named. A node whose host
 is saturated while its peers' are not (the agents' ``cpu_percent``) is named as contention in the evidence.
 
@@ -49,6 +49,7 @@ from controller.host_history import extract
 from controller.models import Incident, Job, Node, RankStepStat, StepMetric
 from controller.recovery import reads
 from controller.recovery.detectors import Finding
+from controller.recovery.stragglers import host_explains
 from vigil.contract.schemas import IncidentKind, RecoveryThresholds
 
 WINDOWS: tuple[tuple[int, float], ...] = tuple((n, 1.25 if n < 60 else 1.15 if n < 120 else 0.0)
@@ -61,8 +62,6 @@ EVERY_STEPS = 5
 MIN_EXCESS_S = 0.003
 """A rank slower by less than this per step (median work over its peers') is not named: under 0.3 s per 100
 steps, not worth an incident (a tiny model's 1 ms compute phase doubles from scheduling alone)."""
-HOST_SHARE = 0.5
-"""A rank whose median run-queue wait over its peers' is at least this share of its excess is slowed by its host."""
 CONTENTION_CPU = 90.0
 """A host at or above this CPU percent, while its peers' median is 20 points lower, is contended."""
 
@@ -181,13 +180,6 @@ def _cpu_waits(rows: list[Any]) -> dict[int, dict[int, float]]:
     return out
 
 
-def _wait_excess(waits: dict[int, dict[int, float]], steps: list[int], rank: int) -> float | None:
-    """The rank's median run-queue wait over the steps minus its peers' (None: not reported)."""
-    own = [waits[st][rank] for st in steps if rank in waits.get(st, {})]
-    peers = [w for st in steps for r, w in waits.get(st, {}).items() if r != rank]
-    return statistics.median(own) - statistics.median(peers) if own and peers else None
-
-
 def _score(work: dict[int, dict[int, tuple[float, float]]], per_step: dict[int, dict[int, float]], window: list[int],
            before: list[int], bar: float, change_bar: float,
            waits: dict[int, dict[int, float]] | None = None) -> tuple[int, dict[str, Any]] | None:
@@ -211,8 +203,8 @@ def _score(work: dict[int, dict[int, tuple[float, float]]], per_step: dict[int, 
         excess = _excess(work, window, rank)
         if excess < MIN_EXCESS_S:
             continue
-        host = _wait_excess(waits or {}, window, rank)
-        if host is not None and host >= HOST_SHARE * excess:
+        by_host, host = host_explains(waits or {}, window, rank, excess)
+        if by_host:
             continue
         evidence = {"class": "fail-slow", "median_ratio_to_peers": round(to_peers, 3), "threshold": bar,
                     "slower_steps": slower, "scored_steps": n, "sign_test_min": math.ceil(n / 2 + 1.5 * math.sqrt(n)),

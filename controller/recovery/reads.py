@@ -173,9 +173,10 @@ def recent_step_times(s: Session, job_id: str, limit: int = 100) -> Sequence[flo
 
 
 def recent_compute(s: Session, job_id: str, limit: int) -> Sequence[Row[Any]]:
-    """(rank, step, fwd_bwd_s, step_time_s, ts) of the newest step samples of the current attempt, newest first."""
+    """(rank, step, fwd_bwd_s, step_time_s, cpu_wait_s, ts) of the newest step samples of the current attempt,
+    newest first."""
     return s.execute(select(StepMetric.rank, StepMetric.step, StepMetric.fwd_bwd_s, StepMetric.step_time_s,
-                            StepMetric.ts)
+                            StepMetric.cpu_wait_s, StepMetric.ts)
                      .where(StepMetric.job_id == job_id, StepMetric.attempt == current_attempt(s, job_id))
                      .order_by(StepMetric.id.desc()).limit(limit)).all()
 

@@ -37,6 +37,23 @@ its past (about 25 steps of a 50-step past) stopped being a straggler; telemetry
 slow: a rank always behind its peers (a busier host) is still an imbalance, not a new straggler."""
 
 
+HOST_SHARE = 0.5
+"""A rank whose median run-queue wait (``cpu_wait_s``) over its peers' is at least this share of its excess is
+slowed by its host's other load (a co-tenant on its CPU), not slow itself: the straggler and fail-slow scores
+do not name it."""
+
+
+def host_explains(waits: dict[int, dict[int, float]], steps: list[int], rank: int, excess: float) -> tuple[bool, float | None]:
+    """(whether the rank's run-queue wait over its peers' explains ``excess``, that wait excess; None: not reported),
+    over ``steps`` (``waits``: step -> rank -> ``cpu_wait_s``)."""
+    own = [waits[st][rank] for st in steps if rank in waits.get(st, {})]
+    peers = [w for st in steps for r, w in waits.get(st, {}).items() if r != rank]
+    if not own or not peers:
+        return False, None
+    host = statistics.median(own) - statistics.median(peers)
+    return host >= HOST_SHARE * excess, host
+
+
 def own_baseline(history: list[float] | tuple[float, ...]) -> float:
     """The rank's own pace: :data:`OWN_BASELINE_QUANTILE` of its past times (at least 1e-9)."""
     ordered = sorted(history)
@@ -52,9 +69,12 @@ def detect(s: Session, job: Job, th: RecoveryThresholds, checkpoint_interval: in
         rows = [r for r in rows if r.ts > since]
     by_step: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
     step_ts: dict[int, float] = {}
+    waits: dict[int, dict[int, float]] = defaultdict(dict)
     for r in rows:  # newest first: after a restart, a replayed step keeps the new incarnation's row
         by_step[r.step].setdefault(r.rank, (r.fwd_bwd_s or 0.0, r.step_time_s or 0.0))
         step_ts.setdefault(r.step, r.ts)
+        if r.cpu_wait_s is not None:
+            waits[r.step].setdefault(r.rank, r.cpu_wait_s)
     busy = checkpoint_busy(s, job.id, checkpoint_interval, th.checkpoint_settle_s)
     steps = sorted((st for st, ranks in by_step.items() if len(ranks) >= 2 and not busy(st, step_ts[st])),
                    reverse=True)[: th.straggler_m]
@@ -93,6 +113,8 @@ def detect(s: Session, job: Job, th: RecoveryThresholds, checkpoint_interval: in
         step_median = statistics.median(t for st in steps for _, t in by_step[st].values())
         excess = statistics.median(window) - peer_window
         if excess < max(th.straggler_min_excess_s, th.straggler_min_share * step_median):
+            continue
+        if host_explains(waits, steps, rank, excess)[0]:  # a co-tenant on its CPU, not the rank
             continue
         loc = reads.rank_locations(s, job.id).get(rank)
         return [Finding(IncidentKind.STRAGGLER, job.id, loc.node_id if loc else None, rank, {

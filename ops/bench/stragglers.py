@@ -13,14 +13,14 @@ On a local cluster (head with no CPUs + 2 worker raylets, real agents and contro
   ``detected_after_steps``: the straggler incident's step minus ``AT`` (null: never); ``culprit_correct``: it
   names rank 1; ``seconds_lost_reported``: ``GET /jobs/{id}/stragglers``' per-step seconds lost summed from
   ``AT`` on, as a user reads it live (no fault-free run to subtract); ``noise_floor_s``: the same sum in the
-  fault-free run; ``seconds_lost_true``: what the fault cost, against the fault-free run, each run's pace
-  after ``AT`` taken relative to its own pace before (steps ``WARMUP``-``AT``): two runs of the same job on
-  this shared machine differ in pace by more than a 1.15x fault costs, and the difference in differences
-  cancels that (a pace: the mean step duration, rank 0's time from one step to the next, with the 5%
-  longest and shortest left out: a checkpoint's pause, a hiccup); ``seconds_lost_true_paired``: the two
-  runs' step durations from ``AT`` on subtracted step by step, trimmed alike, times the steps (no
-  correction for the runs' different paces); ``seconds_lost_true_wall``: the plain difference of their wall
-  times over those steps.
+  fault-free run; ``seconds_lost_true``: what the fault cost, against the fault-free run: the two runs' step
+  durations (rank 0's time from one step to the next) from ``AT`` on subtracted step by step, their mean
+  with the 5% highest and lowest differences left out (a checkpoint's pause or a hiccup that hit one run
+  only), times the steps; ``seconds_lost_true_relative``: each run's pace after ``AT`` relative to its own
+  pace before (steps ``WARMUP``-``AT``), the fault-free run's change subtracted (cancels a difference of pace
+  between the two runs, adds the noise of 60 steps' pace); ``seconds_lost_true_wall``: the plain difference
+  of their wall times over those steps. On this shared 2-core machine two runs of one job differ by more
+  than a 1.15x-1.3x fault costs (docs/BENCHMARKS.md).
 * ``clean``: one long run with the co-tenant; ``false_positives``: straggler incidents in it.
 
 Prints one JSON object with ``--json``.
@@ -151,8 +151,8 @@ class Bench(FaultRun):
             "basis": inc["evidence"].get("basis") if inc else None,
             "phase": inc["evidence"].get("phase") if inc else None,
             "seconds_lost_reported": round(self.lost_from(run, AT), 3),
-            "seconds_lost_true": round(relative, 3) if relative is not None else None,
-            "seconds_lost_true_paired": round(paired, 3) if paired is not None else None,
+            "seconds_lost_true": round(paired, 3) if paired is not None else None,
+            "seconds_lost_true_relative": round(relative, 3) if relative is not None else None,
             "seconds_lost_true_wall": round(true - base, 3) if true is not None and base is not None else None,
             "noise_floor_s": round(noise, 3),
         }

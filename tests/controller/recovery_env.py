@@ -73,9 +73,10 @@ class Env:
         assert r.status_code == 200, r.text
 
     def steps(self, first: int, last: int, compute: dict[int, float] | None = None, loss: float | None = 3.0,
-              dt: float = 0.2) -> None:
-        """Ranks report steps first..last, ``dt`` apart on the fake clock, with heartbeats. Steps reported
-        before are a re-run after a restart: the ranks' next run attempt."""
+              dt: float = 0.2, cpu_wait: dict[int, float] | None = None) -> None:
+        """Ranks report steps first..last, ``dt`` apart on the fake clock, with heartbeats (``cpu_wait``: a rank's
+        run-queue wait per step, else none reported). Steps reported before are a re-run after a restart: the
+        ranks' next run attempt."""
         compute = compute or {}
         if first <= self.max_step:
             self.attempt += 1
@@ -85,7 +86,8 @@ class Env:
             for rank, node in self.nodes.items():
                 c = compute.get(rank, 0.05)
                 self.post([{"kind": "step", "job_id": self.job_id, "rank": rank, "step": st, "attempt": self.attempt,
-                            "ts": self.clock.now, "loss": loss, "step_time_s": 0.2, "fwd_bwd_s": c, "comm_s": 0.01}], node)
+                            "ts": self.clock.now, "loss": loss, "step_time_s": 0.2, "fwd_bwd_s": c, "comm_s": 0.01,
+                            "cpu_wait_s": (cpu_wait or {}).get(rank)}], node)
 
     def heartbeats(self, nodes: list[str] | None = None) -> None:
         for node in nodes or sorted(set(self.nodes.values())):

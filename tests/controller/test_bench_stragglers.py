@@ -41,8 +41,8 @@ def test_one_case_is_measured_against_its_fault_free_run() -> None:
     assert got["detected_after_steps"] == 12 and got["culprit_correct"] and got["class"] == "fail-slow"
     # The clean run's pace is 0.10 s throughout, the faulty one's 0.13 s throughout (a slower machine before
     # the fault too): relative to their own pace before the fault, the fault cost nothing; side by side, 0.03 s a step.
-    assert got["seconds_lost_true"] == pytest.approx(0.0, abs=1e-9)
-    assert got["seconds_lost_true_paired"] == pytest.approx((STEPS - AT) * 0.03)
+    assert got["seconds_lost_true_relative"] == pytest.approx(0.0, abs=1e-9)
+    assert got["seconds_lost_true"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["seconds_lost_true_wall"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["seconds_lost_reported"] == pytest.approx((STEPS - AT) * 0.03)
     assert got["noise_floor_s"] == pytest.approx((STEPS - AT) * 0.002)

@@ -289,6 +289,20 @@ def test_an_invalid_checkpoint_stays_on_record_after_its_folder_is_written_again
     assert [(e["data"]["step"], e["data"]["reason"]) for e in events] == [(30, "checksum mismatch in __0_0.distcp")]
 
 
+def test_a_rank_slowed_by_a_cotenant_on_its_cpu_is_no_straggler(env: Env) -> None:
+    # Rank 1's forward+backward doubles, and it spent the extra time waiting for a CPU another process held
+    # (its run-queue wait): its host's load, not the rank. Then the same slowdown with no such wait is named.
+    env.steps(1, 20, cpu_wait={0: 0.001, 1: 0.001})
+    for st in range(21, 41):
+        env.steps(st, st, compute={1: 0.105}, cpu_wait={0: 0.001, 1: 0.055})
+        env.monitor.step()
+    assert env.incidents() == []
+    for st in range(41, 61):
+        env.steps(st, st, compute={1: 0.105}, cpu_wait={0: 0.001, 1: 0.001})
+        env.monitor.step()
+    assert [(i["kind"], i["rank"]) for i in env.incidents()] == [("straggler", 1)]
+
+
 def test_a_2x_slower_rank_is_a_straggler_within_20_steps(env: Env) -> None:
     env.steps(1, 20)
     for st in range(21, 41):
