@@ -84,8 +84,8 @@ NEW_PACE_STEPS = 3
 then the least of three is a small excess: with 15 ms of jitter per rank a healthy 2-rank job is charged about
 a fifth of its jitter, against all of it by each step alone; a slowdown is charged from its third step."""
 MAX_CHARGED = 8
-"""A step's slowest ranks (by own time, above their peers' median) given an offset; the others count at their
-own time. Bounds the history read per step whatever the job's size."""
+"""A step's slowest ranks (by own time, above the step's median) given an offset; the others count at their own
+time. Bounds the history read per step whatever the job's size."""
 
 
 def compute_step(job_id: str, step: int, step_rows: Iterable[Any], coll_rows: Iterable[Any],
@@ -93,7 +93,8 @@ def compute_step(job_id: str, step: int, step_rows: Iterable[Any], coll_rows: It
     """Aggregate one step from its raw rows (each iterable in arrival order; rows with the attributes
     :data:`STEP_ROW_FIELDS` and :data:`COLL_ROW_FIELDS` name, e.g. SQLAlchemy rows). Later rows of the
     same (rank) or (rank, seq) replace earlier ones. None when there is nothing to aggregate.
-    ``history``: the ranks' offsets before this step (None: this step alone)."""
+    ``history``: the ranks' excess over the median in the steps before this one (:data:`History`; None: this
+    step alone, so each rank's offset is its excess in this step)."""
     step_rows = list(step_rows)
     steps = {r.rank: r for r in step_rows}
     calls = {(c.rank, c.seq): c for c in coll_rows}
@@ -197,10 +198,10 @@ def _assemble(job_id: str, step: int, steps: dict[int, Any], kinds: dict[Kind, d
 
 def _lost(times: dict[int, float], waits: dict[int, float],
           history: History | None) -> tuple[tuple[float, dict[int, float]] | None, dict[int, float]]:
-    """(:func:`seconds_lost` over the ranks with both a step time and a wait, each rank's own time over its
-    peers'). The loss is None when no rank's wait is known, so no rank's own time is: the step's collectives
-    were not captured. A rank's offset: the median of its :func:`rel_to_median` in this step and the steps
-    ``history`` gives (for the :data:`MAX_CHARGED` slowest ranks above their peers; others: 0)."""
+    """(:func:`seconds_lost` over the ranks with both a step time and a wait, each rank's own time minus the
+    step's median own time). The loss is None when no rank's wait is known, so no rank's own time is: the
+    step's collectives were not captured. A rank's offset: :func:`_offset` of its :func:`rel_to_median` in the
+    steps ``history`` gives and this one (for the :data:`MAX_CHARGED` slowest ranks above the median; others: 0)."""
     own = {r: max(0.0, t - waits[r]) for r, t in times.items() if r in waits}
     if not own:
         return None, {}

@@ -5,10 +5,11 @@ The straggler score of :mod:`controller.recovery.stragglers` needs 1.7x over 10 
 a shared host's per-step noise there. This score trades time for sensitivity: over the newest 30, 40, ...,
 200 scored steps (the longer, the lower the bar), per step a rank's **ratio to its peers** (its work
 divided by the median of the other ranks' work in that step). Every length is tried, so that one window
-starts within 10 steps of when the rank turned slow: its "before" is then the rank's old pace, not a mix. Work is first forward+backward (compute-slow);
-where that names nobody, the step time outside the rank's collectives (``basis: "step"``: a rank late to its
-collectives for something other than compute, e.g. a slow communication path, is slow there while its
-peers' extra time is inside the collectives, waiting for it). A rank is fail-slow when, in one of the windows:
+starts within 10 steps of when the rank turned slow: its "before" is then the rank's old pace, not a mix.
+Work is first forward+backward (compute-slow); where that names nobody, the step time outside the rank's
+collectives (``basis: "step"``: a rank late to its collectives for something other than compute, e.g. a slow
+communication path, is slow there while its peers' extra time is inside the collectives, waiting for it).
+A rank is fail-slow when, in one of the windows:
 
 * the median of its ratios reaches the window's bar (1.25 under 60 steps, 1.15 under 120, then
   ``fail_slow_ratio`` = 1.1);
@@ -24,8 +25,9 @@ co-tenant that slows the whole machine (or every rank alike) moves numerator and
 and the sign test holds a noisy but fair host to chance; a rank always a little behind (a busier node
 from the start) is an imbalance, caught by the change test, not a new fault. Load that slows *one* rank
 (a co-tenant sharing its CPU) shows in the rank's run-queue wait (``cpu_wait_s``: runnable, waiting for a
-CPU, as the kernel counts it): a rank whose excess over its peers is at least :data:`~controller.recovery.stragglers.HOST_SHARE` run-queue
-wait over theirs is slowed by its host's other load, not slow itself, and is not named. A node whose host
+CPU, as the kernel counts it): a rank whose excess over its peers is at least
+:data:`~controller.recovery.stragglers.HOST_SHARE` run-queue wait over theirs is slowed by its host's other
+load, not slow itself, and is not named. A node whose host
 is saturated while its peers' are not (the agents' ``cpu_percent``) is named as contention in the evidence.
 
 **Worth evicting?** Evicting costs a restart: the job's own measured restarts (acted -> recovered of its
@@ -78,6 +80,7 @@ def detect(s: Session, job: Job, th: RecoveryThresholds, busy: Any, steps_total:
         _last_scored.clear()
     _last_scored[job.id] = last
     rows = _rows(s, job.id, last)
+    waits = _cpu_waits(rows)
     for basis in BASES:
         work = _work(rows, basis)
         steps = sorted((st for st, per in work.items() if len(per) >= 2 and not busy(st, max(t for _, t in per.values()))),
@@ -87,7 +90,7 @@ def detect(s: Session, job: Job, th: RecoveryThresholds, busy: Any, steps_total:
             if len(steps) < window + MIN_BEFORE:
                 break
             found = _score(work, ratios, steps[:window], steps[window:window + 200], bar or th.fail_slow_ratio,
-                           th.fail_slow_change, _cpu_waits(rows))
+                           th.fail_slow_change, waits)
             if found is not None:
                 rank, evidence = found
                 locations = reads.rank_locations(s, job.id)
