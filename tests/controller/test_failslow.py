@@ -60,6 +60,14 @@ def _scan(lc: LiveController, job: str, last: int, every: int = 5) -> int | None
     return None
 
 
+def _finding_at(lc: LiveController, job: str, at: int) -> Finding:
+    """The one finding the detector makes as of step ``at`` (scored afresh)."""
+    with session_scope(lc.app.state.sessions) as s:
+        failslow._last_scored.pop(job, None)
+        (f,) = _detect_upto(s, s.get(Job, job), RecoveryThresholds(), at)
+    return f
+
+
 def _detect_upto(s: object, job: Job, th: RecoveryThresholds, upto: int) -> list[Finding]:
     """The detector as of step ``upto`` (it reads the steps up to the job's last one)."""
     job.last_step = upto
@@ -86,10 +94,7 @@ def test_a_rank_turned_slow_is_found_in_time_and_named(lc: LiveController, facto
     _post(lc, job, range(101, 401), {2: factor}, rng)
     at = _scan(lc, job, 400)
     assert at is not None and at - 100 <= within, at
-    with session_scope(lc.app.state.sessions) as s:
-        j = s.get(Job, job)
-        failslow._last_scored.pop(job, None)
-        (f,) = _detect_upto(s, j, RecoveryThresholds(), at)
+    f = _finding_at(lc, job, at)
     assert f.kind == IncidentKind.STRAGGLER and f.rank == 2 and f.evidence["class"] == "fail-slow"
     assert (f.evidence["basis"], f.evidence["phase"]) == ("compute", "forward_backward")
     assert f.evidence["median_ratio_to_peers"] >= 1.1 and f.evidence["change"] >= 1.08
@@ -122,9 +127,7 @@ def test_a_rank_turned_late_to_its_collectives_is_found_on_its_step_outside_them
     _post_late(lc, job, range(101, 401), {1: factor}, rng)
     at = _scan(lc, job, 400)
     assert at is not None and at - 100 <= within, at
-    with session_scope(lc.app.state.sessions) as s:
-        failslow._last_scored.pop(job, None)
-        (f,) = _detect_upto(s, s.get(Job, job), RecoveryThresholds(), at)
+    f = _finding_at(lc, job, at)
     # Its forward+backward names nobody; the step outside its collectives does, the excess outside compute.
     assert (f.rank, f.evidence["basis"], f.evidence["phase"]) == (1, "step", "other")
 
@@ -158,9 +161,7 @@ def test_a_rank_slowed_by_other_load_on_its_cpu_is_not_named_but_one_slow_by_its
         assert at is None
     else:
         assert at is not None and at - 100 <= 50
-        with session_scope(lc.app.state.sessions) as s:
-            failslow._last_scored.pop(job, None)
-            (f,) = _detect_upto(s, s.get(Job, job), RecoveryThresholds(), at)
+        f = _finding_at(lc, job, at)
         assert f.rank == 2 and f.evidence["cpu_wait_excess_s"] == pytest.approx(0.0, abs=1e-4)
 
 

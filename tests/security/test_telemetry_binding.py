@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from sqlalchemy import func, select, update
 
 from controller.db import session_scope
@@ -19,7 +20,7 @@ from controller.models import Checkpoint, Job, StepMetric
 from controller.telemetry_guard import REFUSED, TelemetryGuard
 from tests.live_controller import LiveController, step_sample
 from vigil.contract.checkpoint_layout import job_checkpoint_root
-from vigil.contract.schemas import CheckpointSample
+from vigil.contract.schemas import CheckpointSample, StepSample
 
 RAY_NODES = {"vigil-node-1", "vigil-node-2", "vigil-node-3"}
 
@@ -202,3 +203,14 @@ def test_placement_names_nodes_by_ray_name_or_by_ray_id() -> None:
     assert {"w1", "w2", "w3", "cc33"} <= known
     assert where("down") is None  # Ray's API down: the check is skipped, telemetry kept
     assert ray_placement(object(), Cluster()) is None
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("inf"), float("nan"), -1e-9])
+def test_a_ranks_run_queue_wait_is_a_finite_number_of_seconds_or_refused_by_name(bad: object) -> None:
+    # A rank's own run-queue wait is what keeps a rank slowed by its host from being named a straggler. What a
+    # rank can do with it: claim it for its own samples, which only reach its own job (the binding above);
+    # anything but a finite number >= 0 is refused, naming the field.
+    with pytest.raises(ValidationError) as e:
+        StepSample.model_validate({**step_sample("j", 0, 1).model_dump(), "cpu_wait_s": bad})
+    assert "cpu_wait_s" in str(e.value)
+    assert StepSample.model_validate({**step_sample("j", 0, 1).model_dump(), "cpu_wait_s": 0.25}).cpu_wait_s == 0.25

@@ -166,27 +166,28 @@ def test_nan_fault_poisons_a_user_model_for_real_and_is_never_checkpointed(tmp_p
     assert summary.checkpoints == [] and summary.skipped_checkpoints == [3, 6]
 
 
-def test_slow_fault_stretches_the_compute_of_an_unmarked_loop(tmp_path: Path) -> None:
-    fault = fault_file_path(tmp_path / "run", "job-slow", 0)
+def _slowed_loop(tmp_path: Path, job: str, fault_body: str, steps: int = 6) -> tuple[Sink, Any]:
+    """An unmarked loop with 10 ms of work per step run under a fault file holding ``fault_body``: (its
+    telemetry, its summary). The MLP's own compute is well under a millisecond, which a busy host's scheduling
+    can stretch more than a fault does (seen under -n 2: a slowed step 3x its neighbour); 10 ms cannot be."""
+    fault = fault_file_path(tmp_path / "run", job, 0)
     fault.parent.mkdir(parents=True)
-    fault.write_text(f'{{"kind": "{SLOW_RANK}", "step": 4, "factor": 20.0}}')
+    fault.write_text(fault_body)
     sink = Sink()
-    # The MLP's own compute is well under a millisecond, which a busy host's scheduling can stretch more than
-    # the fault does (seen under -n 2: a slowed step 3x its neighbour); 10 ms of work per step cannot be.
-    vigil.run(lambda cfg: _user_loop(6, phases=False, work_s=0.01), vigil.RankContext(
-        rank=0, world_size=1, job_id="job-slow", telemetry=sink, fault_file=fault), _spec(checkpoint={"interval_steps": 0}))
+    summary = vigil.run(lambda cfg: _user_loop(steps, phases=False, work_s=0.01), vigil.RankContext(
+        rank=0, world_size=1, job_id=job, telemetry=sink, fault_file=fault), _spec(checkpoint={"interval_steps": 0}))
+    return sink, summary
+
+
+def test_slow_fault_stretches_the_compute_of_an_unmarked_loop(tmp_path: Path) -> None:
+    sink, _ = _slowed_loop(tmp_path, "job-slow", f'{{"kind": "{SLOW_RANK}", "step": 4, "factor": 20.0}}')
     before = min(s.fwd_bwd_s or 0 for s in sink.steps[1:3])
     during = min(s.fwd_bwd_s or 0 for s in sink.steps[3:])
     assert during > 5 * before  # 20x asked; a busy host only adds
 
 
 def test_a_comm_slow_fault_makes_the_rank_late_to_its_collectives_not_slow_to_compute(tmp_path: Path) -> None:
-    fault = fault_file_path(tmp_path / "run", "job-comm", 0)
-    fault.parent.mkdir(parents=True)
-    fault.write_text(f'{{"kind": "{SLOW_RANK}", "step": 4, "factor": 20.0, "mode": "comm"}}')
-    sink = Sink()
-    vigil.run(lambda cfg: _user_loop(6, phases=False, work_s=0.01), vigil.RankContext(
-        rank=0, world_size=1, job_id="job-comm", telemetry=sink, fault_file=fault), _spec(checkpoint={"interval_steps": 0}))
+    sink, _ = _slowed_loop(tmp_path, "job-comm", f'{{"kind": "{SLOW_RANK}", "step": 4, "factor": 20.0, "mode": "comm"}}')
     before, during = sink.steps[1:3], sink.steps[3:]
     # The same ~19 x 10 ms as the compute mode, spent in the optimizer phase before its collectives: forward+
     # backward keeps its pace, the collectives' own timing does not include the wait.
@@ -196,12 +197,8 @@ def test_a_comm_slow_fault_makes_the_rank_late_to_its_collectives_not_slow_to_co
 
 
 def test_a_fault_file_with_an_unknown_slow_mode_is_ignored(tmp_path: Path) -> None:
-    fault = fault_file_path(tmp_path / "run", "job-bad", 0)
-    fault.parent.mkdir(parents=True)
-    fault.write_text(f'{{"kind": "{SLOW_RANK}", "step": 2, "factor": 20.0, "mode": "sideways"}}')
-    sink = Sink()
-    summary = vigil.run(lambda cfg: _user_loop(4, phases=False, work_s=0.01), vigil.RankContext(
-        rank=0, world_size=1, job_id="job-bad", telemetry=sink, fault_file=fault), _spec(checkpoint={"interval_steps": 0}))
+    sink, summary = _slowed_loop(tmp_path, "job-bad", f'{{"kind": "{SLOW_RANK}", "step": 2, "factor": 20.0, '
+                                 '"mode": "sideways"}', steps=4)
     assert summary.faults == [] and max(s.step_time_s for s in sink.steps[1:]) < 0.15
 
 
