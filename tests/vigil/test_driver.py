@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from vigil.contract.schemas import JobCreate
-from vigil.driver import RAY_TRAIN_ENV_DEFAULTS, DriverConfig, UsageError, build_trainer, main, parse_config
+from vigil.driver import (
+    RAY_TRAIN_ENV_DEFAULTS,
+    DriverConfig,
+    UsageError,
+    build_trainer,
+    main,
+    parse_config,
+    without_idle_datasets_callback,
+)
 
 SPEC = JobCreate(name="drv", scaling={"min_workers": 2, "max_workers": 4, "cpus_per_worker": 0.5},
                  recovery={"max_restarts": 5}, checkpoint={"interval_steps": 10, "keep_last": 2})
@@ -80,6 +88,17 @@ def test_trainer_is_built_from_the_spec(tmp_path: Path, monkeypatch: pytest.Monk
     assert JobCreate.model_validate(loop_cfg["spec"]) == SPEC
     assert (loop_cfg["job_id"], loop_cfg["run_dir"], loop_cfg["report_interval"]) == ("j9", "/tmp/vr", 4)
     assert loop_cfg["checkpoint_root"] == str(tmp_path / "j9" / "checkpoints")
+
+    # No Ray Datasets in a Vigil job: no DatasetManager actor at each start of the worker group; the rest kept.
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    ours = t._create_default_callbacks()
+    assert not [c for c in ours if isinstance(c, DatasetsCallback)]
+    theirs = DataParallelTrainer._create_default_callbacks(t)
+    assert [type(c) for c in theirs if not isinstance(c, DatasetsCallback)] == [type(c) for c in ours]
+    assert [c for c in theirs if isinstance(c, DatasetsCallback)]  # what Ray itself would start
+    assert without_idle_datasets_callback(theirs, {"train": object()}) == theirs  # a run with datasets: unchanged
 
     fixed = build_trainer(DriverConfig(job_id="j", spec=SPEC.model_copy(update={"scaling": SPEC.scaling.model_copy(
         update={"min_workers": 3, "max_workers": 3})}), run_dir=None, storage_path=str(tmp_path)))
