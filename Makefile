@@ -19,9 +19,10 @@ run: $(STAMP)
 ## make test: the whole suite (unit, integration with real Ray / PostgreSQL / Chromium, end-to-end).
 ## Most tests run on two pytest-xdist workers; those marked slow (real Ray clusters whose detectors judge
 ## timings) or timing (durations compared) run one at a time after them, so no other test's load skews them.
+## Slow tests marked beside (no timing judged, mostly waiting) run first among the parallel ones instead.
 test: $(STAMP) browser lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow and not timing" -n 2 --durations=15
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "slow or timing" --durations=25
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "(not slow and not timing) or beside" -n 2 --durations=15
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "(slow or timing) and not beside" --durations=25
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"

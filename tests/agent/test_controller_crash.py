@@ -113,6 +113,7 @@ def test_sigkill_mid_stream_every_sample_exactly_once(setup, db_url: str) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # a minute of waiting for the spool to fill: no timing judged
 @pytest.mark.timeout(300)
 # PostgreSQL only: the outage is the agent's (its spool holds the minute; the database only sees the
 # replay, which the SIGKILL test above covers on both backends), and it costs 70 s a run.

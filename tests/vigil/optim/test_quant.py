@@ -174,6 +174,7 @@ def test_hadamard_reduces_gradient_quantization_error() -> None:
 
 
 @pytest.mark.slow  # compiling the kernels takes ~40 s of one shared core
+@pytest.mark.beside  # one core: the other runs the parallel tests meanwhile
 def test_compiled_kernels_match_eager() -> None:
     """torch.compile'd kernels (when a compiler is available) give the same bits as eager ones."""
     x = torch.randn(8 * 256)
