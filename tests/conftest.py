@@ -37,6 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     ensure_ray_token()
 
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``beside`` (slow, but mostly waiting) first, in their order: in the parallel half of
     `make test` they then start at once beside the short tests, rather than end it alone."""
