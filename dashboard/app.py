@@ -148,11 +148,11 @@ def create_dash_app(
         update_title=None,
         serve_locally=True,  # the browser may have no internet; Dash serves its own JS bundles
     )
-    for page in PAGES:  # after the app exists (dash.register_page needs it); each page's callbacks once
-        page.register(app)
     app.server.config[CONFIG_KEY] = DashboardConfig(
         api_base_url=api_base_url.rstrip("/"), token=token, prefix=prefix, refresh_ms=refresh_ms
     )
+    for page in PAGES:  # after the app and its config exist (dash.register_page needs the app)
+        page.register(app)
     auth.configure_server(app.server, cookie_path=prefix)
     _register_auth_callbacks(app)
     actions.register_callbacks(app)

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from dashboard.app import _normalise_prefix, create_dash_app
+from dashboard.registry import BUSY_POLL_MS
 from tests.dashboard.conftest import Site
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,6 +278,26 @@ def test_two_apps_in_one_process_each_keep_callbacks_and_config(dashboard_site: 
             _Http(client), "/dashboard/", "jobs-table.children", {"jobs-interval.n_intervals": 0}
         )
     assert f"/dashboard/jobs/{dashboard_site.demo.abc}" in _strings(resp["jobs-table"]["children"])
+
+
+def test_every_polling_callback_holds_its_timer_while_it_runs() -> None:
+    """What the browser is told (``/_dash-dependencies``): each callback a page's timer fires slows
+    that timer while it runs and restores the app's period when it answers, so no tick cancels a
+    slow refresh (plotly/dash#941; the browser test is ``test_slow_controller.py``)."""
+    app = create_dash_app("http://127.0.0.1:1/", requests_pathname_prefix="/", refresh_ms=700)
+    status, text = _Http(app.server.test_client()).get("/_dash-dependencies")
+    assert status == 200
+    polled = {}
+    for cb in json.loads(text):
+        timers = [i["id"] for i in cb["inputs"] if i["property"] == "n_intervals"]
+        if timers or "job-detail-cursor" in {i["id"] for i in cb["inputs"]}:
+            polled[timers[0] if timers else "job-detail-cursor"] = cb.get("running")
+    assert set(polled) == {"jobs-interval", "job-detail-interval", "job-detail-cursor", "nodes-interval",
+                           "node-detail-interval", "compare-interval", "events-interval"}
+    for timer, running in polled.items():
+        timer = "job-detail-interval" if timer == "job-detail-cursor" else timer
+        assert running == {"running": {f"{timer}.interval": BUSY_POLL_MS},
+                           "runningOff": {f"{timer}.interval": 700}}, (timer, running)
 
 
 def test_standalone_prefix_and_argument_checks() -> None:

@@ -11,7 +11,7 @@ from dash import Input, Output
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.pages.compare.figures import compare_figures, compare_traces, job_label, parse_job_ids
 from dashboard.pages.compare.layout import GRAPH_IDS
-from dashboard.registry import CallbackSet
+from dashboard.registry import CallbackSet, Paced
 from dashboard.tables import error_banner
 from vigil.contract.client import ApiError
 from vigil.contract.schemas import JobOverviewPublic, JobPublic
@@ -36,6 +36,7 @@ def _option(job: JobPublic) -> dict[str, str]:
     Output("compare-error", "children"),
     Input("compare-interval", "n_intervals"),
     Input("compare-jobs", "value"),
+    running=Paced("compare-interval"),
 )
 def refresh_compare(_n: int, selected: list[str] | str | None) -> tuple[Any, ...]:
     cfg = current_config()

@@ -9,7 +9,7 @@ from dash import Input, Output
 
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.pages.events.tables import events_table
-from dashboard.registry import CallbackSet
+from dashboard.registry import CallbackSet, Paced
 from dashboard.tables import error_banner
 
 callback = CallbackSet()
@@ -23,6 +23,7 @@ EVENTS_LIMIT = 200
     Output("events-table", "children"),
     Output("events-error", "children"),
     Input("events-interval", "n_intervals"),
+    running=Paced("events-interval"),
 )
 def refresh_events(_n: int) -> tuple[Any, Any]:
     cfg = current_config()

@@ -18,7 +18,7 @@ from dashboard.pages.job.joins import live_incident
 from dashboard.pages.job.panels import Vitals, job_header, marker_detail
 from dashboard.pages.job.tables import slowest_rank_rows
 from dashboard.pages.job.tabs import RANK_WINDOW, SLOW_REFRESH_EVERY, TAB_BUILDERS, TAB_ORDER, TOP_K
-from dashboard.registry import CallbackSet
+from dashboard.registry import CallbackSet, Paced
 from dashboard.tables import error_banner
 from vigil.contract.client import ApiError
 
@@ -59,6 +59,7 @@ def _not_found(job_id: str | None) -> tuple[Any, ...]:
     Input("job-detail-interval", "n_intervals"),
     State("job-detail-id", "data"),
     State("job-detail-cursor", "data"),
+    running=Paced("job-detail-interval"),
 )
 def refresh_job(n: int, job_id: str | None, cursor_data: dict[str, Any] | None) -> tuple[Any, ...]:
     if not job_id:
@@ -116,6 +117,7 @@ def refresh_job(n: int, job_id: str | None, cursor_data: dict[str, Any] | None) 
     Input("job-detail-rank", "value"),
     State("job-detail-id", "data"),
     prevent_initial_call=True,
+    running=Paced("job-detail-interval"),  # no new cursor (which would cancel this) while it runs
 )
 def refresh_tab(cursor_data: dict[str, Any] | None, tab: str, rank: int | None, job_id: str | None) -> list[Any]:
     out: list[Any] = [dash.no_update] * (len(TAB_ORDER) + 1)

@@ -9,7 +9,7 @@ from dash import Input, Output
 
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.pages.jobs.tables import jobs_table
-from dashboard.registry import CallbackSet
+from dashboard.registry import CallbackSet, Paced
 from dashboard.tables import error_banner
 
 callback = CallbackSet()
@@ -24,6 +24,7 @@ JOBS_LIMIT = 200
     Output("jobs-count", "children"),
     Output("jobs-error", "children"),
     Input("jobs-interval", "n_intervals"),
+    running=Paced("jobs-interval"),
 )
 def refresh_jobs(_n: int) -> tuple[Any, Any, Any]:
     cfg = current_config()

@@ -11,7 +11,7 @@ from dashboard.context import FETCH_ERRORS, current_config, describe_error, open
 from dashboard.pages.node.figures import history_has_gpu
 from dashboard.pages.node.layout import GRAPHS
 from dashboard.pages.node.tables import incidents_table, node_facts, ranks_table
-from dashboard.registry import CallbackSet
+from dashboard.registry import CallbackSet, Paced
 from dashboard.tables import error_banner
 
 callback = CallbackSet()
@@ -42,6 +42,7 @@ def _not_found(node_id: str | None) -> tuple[Any, ...]:
     Output("node-detail-incidents", "children"),
     Input("node-detail-interval", "n_intervals"),
     State("node-detail-id", "data"),
+    running=Paced("node-detail-interval"),
 )
 def refresh_node(_n: int, node_id: str | None) -> tuple[Any, ...]:
     if not node_id:

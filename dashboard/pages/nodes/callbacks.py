@@ -11,7 +11,7 @@ from dash import Input, Output, State
 
 from dashboard.context import FETCH_ERRORS, current_config, describe_error, open_client
 from dashboard.pages.nodes.tables import SPARK_POINTS, fleet_columns, fleet_rows, fleet_summary
-from dashboard.registry import CallbackSet
+from dashboard.registry import CallbackSet, Paced
 from dashboard.tables import error_banner
 from vigil.contract.schemas import NodeHistoryPublic
 
@@ -50,6 +50,7 @@ def _histories(client: Any, node_ids: list[str]) -> dict[str, NodeHistoryPublic 
     Output("nodes-error", "children"),
     Input("nodes-interval", "n_intervals"),
     State("nodes-grid", "columnDefs"),
+    running=Paced("nodes-interval"),
 )
 def refresh_nodes(_n: int, columns: list[dict[str, Any]] | None) -> tuple[Any, Any, Any, Any]:
     cfg = current_config()
