@@ -22,7 +22,7 @@ run: $(STAMP)
 ## Slow tests marked beside (no timing judged, mostly waiting) run first among the parallel ones instead.
 test: $(STAMP) browser lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "(not slow and not timing) or beside" -n 2 --durations=15
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "(slow or timing) and not beside" --durations=25
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "(slow or timing) and not beside" --durations=60
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
