@@ -102,7 +102,16 @@ class Browser:
                 if last:
                     return last
             time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}\n{self.story()}")
+
+    def story(self) -> str:
+        """Where the browser is and what it shows and logged: for a failure's message (CI keeps nothing else)."""
+        try:
+            body = self.js("return document.body ? document.body.innerText : null;")
+            return (f"url: {self.driver.current_url}\npage text: {str(body)[:1500]!r}\n"
+                    f"console: {[m.get('message') for m in self.console()][-10:]}")
+        except Exception as exc:  # noqa: BLE001 - a dead browser: say so, keep the original failure
+            return f"(browser unreadable: {exc!r})"
 
     def wait_equal(
         self, getter: Callable[[], Any], expected: Any, timeout: float = 30.0, what: str = "value"

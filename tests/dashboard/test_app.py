@@ -281,23 +281,35 @@ def test_two_apps_in_one_process_each_keep_callbacks_and_config(dashboard_site: 
 
 
 def test_every_polling_callback_holds_its_timer_while_it_runs() -> None:
-    """What the browser is told (``/_dash-dependencies``): each callback a page's timer fires slows
-    that timer while it runs and restores the app's period when it answers, so no tick cancels a
-    slow refresh (plotly/dash#941; the browser test is ``test_slow_controller.py``)."""
-    app = create_dash_app("http://127.0.0.1:1/", requests_pathname_prefix="/", refresh_ms=700)
-    status, text = _Http(app.server.test_client()).get("/_dash-dependencies")
-    assert status == 200
-    polled = {}
-    for cb in json.loads(text):
-        timers = [i["id"] for i in cb["inputs"] if i["property"] == "n_intervals"]
-        if timers or "job-detail-cursor" in {i["id"] for i in cb["inputs"]}:
-            polled[timers[0] if timers else "job-detail-cursor"] = cb.get("running")
-    assert set(polled) == {"jobs-interval", "job-detail-interval", "job-detail-cursor", "nodes-interval",
-                           "node-detail-interval", "compare-interval", "events-interval"}
-    for timer, running in polled.items():
-        timer = "job-detail-interval" if timer == "job-detail-cursor" else timer
-        assert running == {"running": {f"{timer}.interval": BUSY_POLL_MS},
-                           "runningOff": {f"{timer}.interval": 700}}, (timer, running)
+    """What the browser is told: whatever fires a page's refresh also runs, in the browser, a hold
+    that sets the page's timer to BUSY_POLL_MS, and the refresh's reply sets the app's period back,
+    so no tick cancels a slow refresh (plotly/dash#941; the browser test is test_slow_controller.py)."""
+    app = create_dash_app(_closed_port_url(), requests_pathname_prefix="/", refresh_ms=700)
+    http = _Http(app.server.test_client())
+    holds: dict[str, str] = {}  # trigger -> timer whose period a clientside callback sets
+    replies: dict[str, str] = {}  # trigger -> timer whose period a server callback sets back
+    for dep in http.get_json("/_dash-dependencies"):
+        for out in dep["output"].strip(".").split("..."):
+            target = out.split("@")[0]
+            if target.endswith("-interval.interval"):
+                first = dep["inputs"][0]
+                kind = holds if dep.get("clientside_function") else replies
+                kind[f"{first['id']}.{first['property']}"] = target.removesuffix(".interval")
+    timers = ("jobs-interval", "job-detail-interval", "nodes-interval", "node-detail-interval", "compare-interval",
+              "events-interval")
+    expected = {f"{t}.n_intervals": t for t in timers} | {"job-detail-cursor.data": "job-detail-interval"}
+    assert holds == expected
+    assert replies == expected
+    status, index = http.get("/")
+    assert status == 200 and f"return {BUSY_POLL_MS};" in index
+
+    # A reply, even one that could not reach the controller, sets the app's period back.
+    resp = call_callback(http, "/", "jobs-table.children", {"jobs-interval.n_intervals": 3})
+    assert resp["jobs-interval"]["interval"] == 700
+    resp = call_callback(
+        http, "/", "job-detail-loss.figure", {"job-detail-interval.n_intervals": 0, "job-detail-id.data": "j"}
+    )
+    assert resp["job-detail-interval"] == {"disabled": False, "interval": 700}
 
 
 def test_standalone_prefix_and_argument_checks() -> None:

@@ -36,7 +36,7 @@ def _option(job: JobPublic) -> dict[str, str]:
     Output("compare-error", "children"),
     Input("compare-interval", "n_intervals"),
     Input("compare-jobs", "value"),
-    running=Paced("compare-interval"),
+    paced=Paced("compare-interval"),
 )
 def refresh_compare(_n: int, selected: list[str] | str | None) -> tuple[Any, ...]:
     cfg = current_config()

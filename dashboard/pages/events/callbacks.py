@@ -23,7 +23,7 @@ EVENTS_LIMIT = 200
     Output("events-table", "children"),
     Output("events-error", "children"),
     Input("events-interval", "n_intervals"),
-    running=Paced("events-interval"),
+    paced=Paced("events-interval"),
 )
 def refresh_events(_n: int) -> tuple[Any, Any]:
     cfg = current_config()

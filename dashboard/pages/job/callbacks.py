@@ -59,7 +59,7 @@ def _not_found(job_id: str | None) -> tuple[Any, ...]:
     Input("job-detail-interval", "n_intervals"),
     State("job-detail-id", "data"),
     State("job-detail-cursor", "data"),
-    running=Paced("job-detail-interval"),
+    paced=Paced("job-detail-interval"),
 )
 def refresh_job(n: int, job_id: str | None, cursor_data: dict[str, Any] | None) -> tuple[Any, ...]:
     if not job_id:
@@ -117,7 +117,7 @@ def refresh_job(n: int, job_id: str | None, cursor_data: dict[str, Any] | None) 
     Input("job-detail-rank", "value"),
     State("job-detail-id", "data"),
     prevent_initial_call=True,
-    running=Paced("job-detail-interval"),  # no new cursor (which would cancel this) while it runs
+    paced=Paced("job-detail-interval", trigger=("job-detail-cursor", "data")),  # no new cursor cancels it
 )
 def refresh_tab(cursor_data: dict[str, Any] | None, tab: str, rank: int | None, job_id: str | None) -> list[Any]:
     out: list[Any] = [dash.no_update] * (len(TAB_ORDER) + 1)

@@ -24,7 +24,7 @@ JOBS_LIMIT = 200
     Output("jobs-count", "children"),
     Output("jobs-error", "children"),
     Input("jobs-interval", "n_intervals"),
-    running=Paced("jobs-interval"),
+    paced=Paced("jobs-interval"),
 )
 def refresh_jobs(_n: int) -> tuple[Any, Any, Any]:
     cfg = current_config()

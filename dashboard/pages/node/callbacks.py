@@ -42,7 +42,7 @@ def _not_found(node_id: str | None) -> tuple[Any, ...]:
     Output("node-detail-incidents", "children"),
     Input("node-detail-interval", "n_intervals"),
     State("node-detail-id", "data"),
-    running=Paced("node-detail-interval"),
+    paced=Paced("node-detail-interval"),
 )
 def refresh_node(_n: int, node_id: str | None) -> tuple[Any, ...]:
     if not node_id:

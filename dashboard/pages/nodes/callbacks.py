@@ -50,7 +50,7 @@ def _histories(client: Any, node_ids: list[str]) -> dict[str, NodeHistoryPublic 
     Output("nodes-error", "children"),
     Input("nodes-interval", "n_intervals"),
     State("nodes-grid", "columnDefs"),
-    running=Paced("nodes-interval"),
+    paced=Paced("nodes-interval"),
 )
 def refresh_nodes(_n: int, columns: list[dict[str, Any]] | None) -> tuple[Any, Any, Any, Any]:
     cfg = current_config()
