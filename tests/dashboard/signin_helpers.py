@@ -39,8 +39,9 @@ def run_callback(
     client: httpx.Client, match: Callable[[dict[str, Any]], bool], values: dict[str, Any]
 ) -> tuple[httpx.Response, dict[str, Any]]:
     """Call the one callback ``match`` picks from the app's dependencies; ``values`` maps "id.prop" of
-    its inputs and states. Returns the raw response (to search it) and its ``response`` part."""
-    (dep,) = [d for d in _deps(client) if match(d)]
+    its inputs and states. Returns the raw response (to search it) and its ``response`` part. Only the
+    server's callbacks are candidates: a clientside one (a page timer's hold) runs in the browser."""
+    (dep,) = [d for d in _deps(client) if not d.get("clientside_function") and match(d)]
     outputs = _parts(dep["output"])
     body = {
         "output": dep["output"],
