@@ -22,6 +22,7 @@ BENCHMARKS = {
     "dashboard": "ops.bench.dashboard",
     "security": "ops.bench.security",
     "footprint": "ops.bench.footprint",
+    "http": "ops.bench.http_latency",
 }
 """What ``vigil bench NAME`` runs: NAME -> the module run with ``python -m``."""
 
@@ -37,6 +38,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench`` on ``sub``; its own flags pass through to the benchmark."""
-    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, live-step, ingest, recovery, stragglers, adapt, chaos, speedup, dashboard, security, footprint).",
+    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, live-step, ingest, recovery, stragglers, adapt, chaos, speedup, dashboard, security, footprint, http).",
                        add_help=False)
     b.add_argument("what")
