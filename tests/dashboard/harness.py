@@ -61,6 +61,28 @@ return {
 };
 """
 
+_RECORD_DASH_REQUESTS_JS = """
+(() => {
+  const log = [];
+  window.__vigilDashRequests = log;
+  const original = window.fetch.bind(window);
+  window.fetch = (input, init) => {
+    const url = String((input && input.url) || input);
+    if (!url.includes('_dash-update-component')) { return original(input, init); }
+    let output = '?';
+    try { output = JSON.parse(init.body).output; } catch (e) {}
+    const entry = {output: String(output).slice(0, 80), t0: Math.round(performance.now()), ms: null, status: 'pending'};
+    log.push(entry);
+    if (log.length > 500) { log.shift(); }
+    return original(input, init).then(
+      r => { entry.ms = Math.round(performance.now()) - entry.t0; entry.status = r.status; return r; },
+      e => { entry.ms = Math.round(performance.now()) - entry.t0; entry.status = 'error ' + e; throw e; });
+  };
+})();
+"""
+"""Installed in every page: remembers the page's last Dash callback requests (output, start in ms
+since the page loaded, duration, HTTP status or ``pending``) for :meth:`Browser.story`."""
+
 
 class Browser:
     """A headless Chromium with helpers to wait on the page and read Plotly graphs."""
@@ -77,6 +99,7 @@ class Browser:
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
         self.driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
         self.driver.set_page_load_timeout(60)
+        self.driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": _RECORD_DASH_REQUESTS_JS})
 
     def quit(self) -> None:
         self.driver.quit()
@@ -105,11 +128,20 @@ class Browser:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}\n{self.story()}")
 
     def story(self) -> str:
-        """Where the browser is and what it shows and logged: for a failure's message (CI keeps nothing else)."""
+        """Where the browser is, what it shows and logged, and its last Dash callback requests (which
+        were answered, how fast, which still wait): for a failure's message (CI keeps nothing else)."""
         try:
             body = self.js("return document.body ? document.body.innerText : null;")
+            now = self.js("return Math.round(performance.now());")
+            requests = self.js("return window.__vigilDashRequests || [];") or []
+            latest = {r["output"]: r for r in requests}  # each callback's last request
+            odd = [r for r in requests if r["status"] != 200 and latest[r["output"]] is not r]
+            shown = [(r["output"][:60], r["t0"], r["ms"], r["status"])
+                     for r in sorted(odd + list(latest.values()), key=lambda r: r["t0"])]
             return (f"url: {self.driver.current_url}\npage text: {str(body)[:1500]!r}\n"
-                    f"console: {[m.get('message') for m in self.console()][-10:]}")
+                    f"console: {[m.get('message') for m in self.console()][-10:]}\n"
+                    f"dash requests, each callback's last and any unanswered or failed (page at {now} ms; output, "
+                    f"start ms, took ms, status): {shown}")
         except Exception as exc:  # noqa: BLE001 - a dead browser: say so, keep the original failure
             return f"(browser unreadable: {exc!r})"
 

@@ -212,12 +212,18 @@ def _modal_open(page: Browser, prefix: str) -> bool:
     return bool(shown) and page.css(f"#{prefix}-confirm")[0].is_displayed()
 
 
+def _wait_drawn(page: Browser) -> None:
+    """Until the job page's first refresh has drawn its header: a person clicks on a page they see."""
+    page.wait_for(lambda: "restarts:" in (page.text("job-detail-summary") or ""), what="job header drawn")
+
+
 def test_browser_read_only_refusal_then_sign_in_and_cancel(browser: Browser, actions_site: Site) -> None:
     abc, page = actions_site.demo.abc, browser
     page.blank()
     try:
         page.get(f"{actions_site.dashboard}jobs/{abc}")
         page.wait_for(lambda: page.css("#job-detail-actions #actions-job-cancel"), what="job actions panel")
+        _wait_drawn(page)
         page.wait_equal(lambda: page.text("app-auth-badge"), "read-only", what="read-only badge")
         page.css("#actions-job-cancel")[0].click()
         page.wait_for(lambda: "Refused" in (page.text("actions-job-result") or ""), what="refusal")
@@ -230,6 +236,7 @@ def test_browser_read_only_refusal_then_sign_in_and_cancel(browser: Browser, act
         browser_sign_in(page, actions_site, token)
         page.get(f"{actions_site.dashboard}jobs/{abc}")
         page.wait_for(lambda: page.css("#actions-job-cancel"), what="job actions panel")
+        _wait_drawn(page)
         # Cancel, and dismiss: nothing happens.
         page.css("#actions-job-cancel")[0].click()
         page.wait_for(lambda: _modal_open(page, "actions-job"), what="confirmation dialog")
