@@ -130,10 +130,14 @@ def test_compare_page_from_the_url(page: Browser, dashboard_site: Site) -> None:
     # Unknown ids are named, the others still drawn (a fresh load: the page left first, its polling stopped).
     page.blank()
     page.get(f"{dashboard_site.dashboard}compare?jobs={abc},no-such-job")
-    try:
-        page.wait_for(lambda: "no-such-job: no such job" in (page.text("compare-error") or ""), what="unknown job")
-    except AssertionError as e:  # what the page showed instead (seen once in CI under -n 2: not reproduced)
-        raise AssertionError(f"{e}; compare-error: {page.text('compare-error')!r}; url: {page.driver.current_url}; "
-                             f"console: {page.console()}") from None
+    page.wait_for(lambda: "no-such-job: no such job" in (page.text("compare-error") or ""), what="unknown job")
+    # ... and stay named over the next refreshes: the picker keeps the unknown id (disabled, saying why).
+    # Dash's dropdown drops a value missing from its options, and the refresh that followed cleared the
+    # error (seen in CI: named for a moment, gone by the time the test looked).
+    refreshes = "return (window.__vigilDashRequests || []).filter(r => r.output.includes('compare-jobs.options')).length;"
+    seen = page.js(refreshes)
+    page.wait_for(lambda: page.js(refreshes) >= seen + 3, what="three more refreshes")
+    assert "no-such-job: no such job" in (page.text("compare-error") or "")
+    assert "no-such-job · no such job" in page.text("compare-jobs")
     page.wait_for(lambda: (g := page.graph("compare-loss-step")) and len(g["traces"]) == 1, what="one trace")
     assert page.console_errors() == []

@@ -44,6 +44,7 @@ def refresh_compare(_n: int, selected: list[str] | str | None) -> tuple[Any, ...
     link = f"{cfg.prefix}compare" + (f"?jobs={quote(','.join(ids), safe=',')}" if ids else "")
     entries: list[tuple[JobPublic, JobOverviewPublic | None]] = []
     problems: list[str] = []
+    unreadable: dict[str, str] = {}
     try:
         with open_client() as client:
             listed = client.list_jobs(limit=JOBS_LIMIT).data
@@ -52,7 +53,8 @@ def refresh_compare(_n: int, selected: list[str] | str | None) -> tuple[Any, ...
                 try:
                     job = known.get(job_id) or client.get_job(job_id)
                 except ApiError as exc:
-                    problems.append(f"{job_id}: {'no such job' if exc.status_code == 404 else describe_error(exc)}")
+                    unreadable[job_id] = "no such job" if exc.status_code == 404 else describe_error(exc)
+                    problems.append(f"{job_id}: {unreadable[job_id]}")
                     continue
                 known.setdefault(job.id, job)
                 try:
@@ -64,8 +66,11 @@ def refresh_compare(_n: int, selected: list[str] | str | None) -> tuple[Any, ...
     except FETCH_ERRORS as exc:
         keep = dash.no_update
         return (keep, keep, keep, keep, link, error_banner(describe_error(exc), "compare-error-text"))
-    # The picker offers the listed jobs, and keeps any selected one that is older than the list.
+    # The picker offers the listed jobs, and keeps any selected one that is older than the list. A selected
+    # id it could not read stays too, disabled and saying why: the dropdown drops a value missing from its
+    # options, which would run this again without it and clear the error naming it.
     options = [_option(j) for j in listed] + [_option(j) for j, _ in entries if j.id not in {x.id for x in listed}]
+    options += [{"label": f"{job_id} · {why}", "value": job_id, "disabled": True} for job_id, why in unreadable.items()]
     figures = compare_figures(compare_traces(entries))
     error = error_banner("; ".join(problems), "compare-error-text") if problems else None
     return (options, *figures, link, error)
