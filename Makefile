@@ -18,11 +18,13 @@ run: $(STAMP)
 
 ## make test: the whole suite (unit, integration with real Ray / PostgreSQL / Chromium, end-to-end).
 ## Most tests run on two pytest-xdist workers; those marked slow (real Ray clusters whose detectors judge
-## timings) or timing (durations compared) run one at a time after them, so no other test's load skews them.
-## Slow tests marked beside (no timing judged, mostly waiting) run first among the parallel ones instead.
+## timings) or timing (durations compared) run one at a time after them, so no other test's load skews them,
+## and so do those marked links (they change the host's network links, which makes the browser tests'
+## Chromium abort its requests). Slow tests marked beside (no timing judged, mostly waiting) run first among
+## the parallel ones instead.
 test: $(STAMP) browser lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "(not slow and not timing) or beside" -n 2 --durations=15
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "(slow or timing) and not beside" --durations=60
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((not slow and not timing) or beside) and not links" -n 2 --durations=15
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((slow or timing) and not beside) or links" --durations=60
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"

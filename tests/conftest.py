@@ -40,11 +40,28 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``beside`` (slow, but mostly waiting) first, in their order: in the parallel half of
-    `make test` they then start at once beside the short tests, rather than end it alone."""
+    `make test` they then start at once beside the short tests, rather than end it alone. A test module
+    that uses the network namespaces of ``ops.netns`` outside the slow part must be marked ``links``."""
+    _check_links(items)
     beside = [i for i in items if i.get_closest_marker("beside")]
     if beside:
         ids = {id(i) for i in beside}
         items[:] = beside + [i for i in items if id(i) not in ids]
+
+
+def _check_links(items: list[pytest.Item]) -> None:
+    """The parallel half of `make test` runs the browser tests; Chromium aborts every request in flight
+    when a link of the host's namespace comes or goes (seen in CI: a page stuck at "Loading..." with
+    net::ERR_NETWORK_CHANGED, a click's callback lost). So a module that makes links (it uses ``ops.netns``)
+    runs in the serial part: it is ``slow``, ``timing`` or ``links``."""
+    import ops.netns
+
+    strays = sorted({i.nodeid.split("::", 1)[0] for i in items
+                     if isinstance(i, pytest.Function) and ops.netns in vars(i.module).values()
+                     and not any(i.get_closest_marker(m) for m in ("slow", "timing", "links"))})
+    if strays:
+        raise pytest.UsageError(f"{strays} use ops.netns (host links) beside the browser tests: mark them "
+                                "pytest.mark.links (or slow/timing) so make test runs them apart")
 
 
 PG_ADMIN_URL = os.environ.get("VIGIL_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")

@@ -25,6 +25,7 @@ import pytest
 from agent.collectors import NicCollector
 
 pytestmark = [
+    pytest.mark.links,
     pytest.mark.skipif(os.geteuid() != 0, reason="creating a network namespace and a veth pair needs root"),
     pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's `ip` is not installed"),
     pytest.mark.timeout(120),

@@ -20,7 +20,8 @@ from agent.netfaults import NetFaults
 from ops import netns
 from tests.netns.harness import agent_view, network, skip_reason
 
-pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.links, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
+              pytest.mark.timeout(300)]
 
 SERVER = """
 import socket, sys

@@ -22,7 +22,8 @@ from ops import netns
 from tests.netns.harness import agent_view, in_namespaces, network, skip_reason, timed_all_reduce
 from vigil.contract.link import parse_rate
 
-pytestmark = [pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.links, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
+              pytest.mark.timeout(300)]
 
 NBYTES = 16 * 1024 * 1024
 REPEATS = 3

@@ -18,7 +18,8 @@ from vigil.bench import speedup
 from vigil.bench.comm import BenchConfig
 from vigil.contract.schemas import ModelSpec
 
-pytestmark = [pytest.mark.skipif(netns.unavailable_reason() is not None, reason=netns.unavailable_reason() or ""),
+pytestmark = [pytest.mark.links,
+              pytest.mark.skipif(netns.unavailable_reason() is not None, reason=netns.unavailable_reason() or ""),
               pytest.mark.timeout(600)]
 
 KEYS = {"optimizer", "link", "step_time_s", "comm_time_s", "tokens_per_s", "speedup_vs_adamw"}
