@@ -62,6 +62,16 @@ class ApiError(RuntimeError):
         self.detail = detail
 
 
+def _check_path(path: str) -> None:
+    """Refuse a request path an id could have bent (ids come from URLs, files and other processes): a ``.``
+    or ``..`` segment (httpx resolves ``jobs/../tokens`` to ``tokens``: another route, asked with this
+    client's token), or a ``?`` or ``#`` (the rest of the path would become a query or be cut off). The
+    client's own paths have none; an id holding one reaches no route but an ``ApiError`` 400, sent nowhere."""
+    segments = path.split("/")
+    if "?" in path or "#" in path or any(seg in (".", "..") for seg in segments):
+        raise ApiError(400, f"refused to send {path[:200]!r}: an id in it holds '.', '..', '?' or '#'")
+
+
 class VigilClient:
     """Synchronous client. ``transport`` lets tests pass an ASGI transport instead of real HTTP."""
 
@@ -85,6 +95,7 @@ class VigilClient:
         self.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        _check_path(path)
         resp = self._http.request(method, path, **kwargs)
         if resp.status_code >= 400:
             try:
