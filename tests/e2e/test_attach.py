@@ -105,8 +105,9 @@ def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attach
         job = client.submit_job(JobCreate.model_validate({
             "name": "attached-kill-node", "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
             "data": {"max_bytes": 100_000}, "optimizer": {"kind": "adamw", "lr": 0.01},
-            "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": 200, "batch_size": 4,
-            "checkpoint": {"interval_steps": 20, "keep_last": 2}, "recovery": {"policy": "evict_restart"}}))
+            "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": 500, "batch_size": 4,
+            "checkpoint": {"interval_steps": 50, "keep_last": 2}, "recovery": {"policy": "evict_restart"}}))
+        # 500 tiny steps (tens a second): the job still runs when its node is killed, a few seconds after step 25.
         wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 25, 300, "step 25", 1)
         # The ranks' steps and the agents' heartbeats (which name the ranks a node runs) travel apart: step 25
         # can be stored before the heartbeat that first names a rank (seen in CI), so wait for it.

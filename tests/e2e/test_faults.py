@@ -31,8 +31,14 @@ from vigil.contract.schemas import FaultCreate, JobCreate, JobStatus
 
 pytestmark = pytest.mark.slow
 
-STEPS = 90
+STEPS = 160
+"""Ray Train takes a rank's reports every 0.25 s (vigil/driver.py), so these ranks run tens of steps a second: a fault
+the rank carries out itself is asked for at submission (its file lands within a second or two of the rank's start,
+and it fires at the first step at or after the one asked for), and one from outside comes a few seconds after
+step 25: the job still runs then."""
 CKPT = 10
+CLEAN_STEPS = 600
+"""The clean run's steps: it must train on through the controller's 12 s away (asserted), at tens of steps a second."""
 LIVE_HANG_STEPS = 600
 LIVE_STALL_AT = 60
 
@@ -96,7 +102,7 @@ def _story(client: VigilClient, job_id: str) -> str:
             f"logs:\n{client.job_logs(job_id).logs[-4000:]}")
 
 
-def _rank_node(client: VigilClient, job_id: str, rank: int, timeout: float = 30) -> tuple[str, int]:
+def _rank_node(client: VigilClient, job_id: str, rank: int, timeout: float = 240) -> tuple[str, int]:
     """(node, pid) of a live rank of the job, from the agents' heartbeats.
 
     Waits for it: a heartbeat lists a rank only after the rank's first datagram reached its agent,
@@ -158,11 +164,13 @@ def test_clean_run_has_no_incidents_even_across_a_controller_kill_9(client: Vigi
     timeout and is started again on the same database: the job trains on and SUCCEEDS, no incident is
     opened for the controller's own absence, no node is judged lost, and every step of every rank
     reaches the database (the agents spool and replay)."""
-    steps = 60
+    steps = CLEAN_STEPS
     job = client.submit_job(_spec("clean", steps=steps))
     _reach(client, job.id, 15)
     cluster.procs.restart("controller", down_s=12.0)
     wait_for(lambda: client.health().status == "ok", 60, "the restarted controller", 0.5, (Exception,))
+    back = client.get_job(job.id)  # what is tested needs the job to have trained on while the controller was away
+    assert not back.status.is_terminal(), f"the job ended ({back.status}) before the controller came back: longer"
     _finish(client, job.id)
     assert _incidents(client, job.id) == []
     assert [n.id for n in client.list_nodes().data if n.state.value == "DEAD"] == []  # no node judged lost
@@ -180,18 +188,18 @@ def test_clean_run_has_no_incidents_even_across_a_controller_kill_9(client: Vigi
 
 def test_kill_rank_via_api(client: VigilClient) -> None:
     job = client.submit_job(_spec("kill-rank"))
-    _reach(client, job.id, 25)
-    node, pid = _rank_node(client, job.id, 1)
-    # Far enough ahead for the fault file to reach the rank first (monitor pass, agent poll: ~1-2 s).
-    at = (client.get_job(job.id).last_step or 25) + 30
+    at = 60  # asked at submission: the file reaches the rank (monitor pass, agent poll) before, or soon after
     _inject(client, job.id, {"kind": "kill_rank", "rank": 1, "step": at})
+    node, pid = _rank_node(client, job.id, 1)
     _finish(client, job.id)
     inc = [i for i in _incidents(client, job.id) if i["kind"] == "rank_died"]
     assert inc and inc[0]["rank"] == 1 and inc[0]["node_id"] == node and inc[0]["evidence"]["pid"] == pid
     assert inc[0]["status"] == "RECOVERED"
-    # The rank died at exactly the step asked for (it carries the fault out itself) and said so.
-    assert client.list_faults(job.id).data[0].hit_step == at
-    assert inc[0]["step_at_detect"] is None or inc[0]["step_at_detect"] <= at
+    # The rank died at the first step it ran at or after the one asked for (it carries the fault out itself: the
+    # file may land after that step, the job's counter lagging the ranks) and said which.
+    hit = client.list_faults(job.id).data[0].hit_step
+    assert hit is not None and hit >= at, (hit, at)
+    assert inc[0]["step_at_detect"] is None or inc[0]["step_at_detect"] <= hit
     _assert_resumed_from_checkpoint(client, job.id)
 
 
@@ -217,9 +225,8 @@ def test_hang_is_diagnosed_by_stacks_and_node_evicted(client: VigilClient, clust
 
 def _hang(client: VigilClient, cluster: LocalCluster) -> None:
     job = client.submit_job(_spec("hang"))
-    _reach(client, job.id, 20)
-    node, _pid = _rank_node(client, job.id, 1)
     _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 20})
+    node, _pid = _rank_node(client, job.id, 1)
     hang = wait_for(lambda: next((i for i in _incidents(client, job.id) if i["kind"] == "hang" and i["rank"] is not None),
                               None), 120, "the hang to be diagnosed")
     assert hang["rank"] == 1 and hang["node_id"] == node and hang["evidence"]["odd_ranks"] == [1]
@@ -245,11 +252,10 @@ def _slow(client: VigilClient, cluster: LocalCluster) -> None:
     # mode compute: the rank slows its own compute phase from exactly the step asked for (the agent's
     # SIGSTOP throttle lands whenever its command poll comes, tens of steps later at these step
     # times; tests/agent/test_command_kinds.py covers it on real processes).
-    job = client.submit_job(_spec("slow", steps=120, ckpt=30, batch=32))
-    _reach(client, job.id, 15)
-    node, _pid = _rank_node(client, job.id, 0)
-    at = (client.get_job(job.id).last_step or 15) + 20
+    job = client.submit_job(_spec("slow", steps=160, ckpt=30, batch=32))
+    at = 30
     _inject(client, job.id, {"kind": "slow_rank", "rank": 0, "step": at, "params": {"factor": 4, "mode": "compute"}})
+    node, _pid = _rank_node(client, job.id, 0)
     _finish(client, job.id)
     inc = [i for i in _incidents(client, job.id) if i["kind"] == "straggler"]
     assert inc and inc[0]["rank"] == 0 and inc[0]["node_id"] == node
@@ -257,7 +263,8 @@ def _slow(client: VigilClient, cluster: LocalCluster) -> None:
     fired = client.list_faults(job.id).data[0]
     assert fired.status.value in ("FIRED", "CLEARED")
     detect_step = inc[0]["evidence"]["steps"][1]
-    assert detect_step - at <= 20, "a 4x slower rank must be flagged within 20 steps"
+    assert fired.hit_step is not None and fired.hit_step >= at, (fired.hit_step, at)
+    assert detect_step - fired.hit_step <= 20, "a 4x slower rank must be flagged within 20 steps"
     assert {n.id: n.state.value for n in client.list_nodes().data}[node] == "EVICTED"
     for n in client.list_nodes().data:  # nothing of this job ran on the evicted node after the restart
         if n.id == node:
@@ -269,7 +276,6 @@ def _slow(client: VigilClient, cluster: LocalCluster) -> None:
 
 def test_nan_loss_rolls_back(client: VigilClient) -> None:
     job = client.submit_job(_spec("nan", policy="rollback"))
-    _reach(client, job.id, 5)
     _inject(client, job.id, {"kind": "nan_loss", "rank": 0, "step": 35})
     _finish(client, job.id)
     inc = [i for i in _incidents(client, job.id) if i["kind"] == "nan_loss"]
@@ -284,9 +290,8 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
     # stopped: no step, so no checkpoint, can complete; policy observe: Vigil leaves the hang alone),
     # corrupt the newest checkpoint, then kill the stopped rank so that Ray Train restarts the group.
     job = client.submit_job(_spec("corrupt", policy="observe"))
-    _reach(client, job.id, 25)
     _inject(client, job.id, {"kind": "hang_rank", "rank": 1, "step": 25})
-    wait_for(lambda: _frozen(client, job.id), 60, "the job to stop making progress")
+    wait_for(lambda: _frozen(client, job.id), 240, "the job to stop making progress")
     # The newest complete checkpoint on storage (its sample may not have reached the controller: a
     # rank reports a checkpoint at its next sync point, which the stopped rank never reaches).
     found_newest = newest_complete(job_checkpoint_root(cluster.storage, job.id))
@@ -312,9 +317,10 @@ def test_corrupt_checkpoint_is_skipped_on_restore(client: VigilClient, cluster: 
 
 
 def _frozen(client: VigilClient, job_id: str) -> bool:
+    """The job has stepped, and its step stood still for 2 s."""
     before = client.get_job(job_id).last_step
     time.sleep(2)
-    return client.get_job(job_id).last_step == before
+    return before is not None and client.get_job(job_id).last_step == before
 
 
 def test_live_a_rank_asleep_in_its_own_loop_is_found_from_the_collective_and_healed_by_a_spare(

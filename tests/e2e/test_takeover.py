@@ -23,8 +23,10 @@ from vigil.contract.schemas import FaultCreate, JobCreate, JobStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
-STEPS = 60
-CKPT = 10
+STEPS = 1200
+"""Long enough to train on through the takeover (the agents find the standby after their backoff, up to 10 s) and
+take the fault after it: these ranks run tens of steps a second (Ray Train takes their reports every 0.25 s)."""
+CKPT = 20
 
 
 @pytest.fixture
