@@ -28,8 +28,10 @@ checkpoint) when a run fails *after* its newest valid checkpoint moved forward (
 progress (:func:`fit_while_progressing`). The environment gets, unless already set,
 ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=15`` (Ray's default of 60 s is mostly spent waiting for
 workers that an eviction made impossible before the group restarts smaller) and
-``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S=1`` (how soon ranks learn of a drain; Ray's default is 5 s);
-Ray Train hands both to its controller and workers.
+``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S=1`` (how soon ranks learn of a drain; Ray's default is 5 s) and
+``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` from 0.25 s up to Ray's 2 s with the job's size
+(:func:`health_check_interval_s`: how soon Ray Train sees a rank die or finish, and how often a rank
+may report); Ray Train hands them to its controller and workers.
 
 Exit status: 0 on success, 2 for a bad spec or arguments, 1 when training failed.
 """
@@ -60,6 +62,30 @@ RAY_TRAIN_ENV_DEFAULTS: dict[str, str] = {
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
 }
 """Ray Train settings the driver sets unless the environment already has them (module docstring)."""
+
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+"""How often Ray Train's controller polls every rank (:func:`health_check_interval_s`)."""
+RAY_HEALTH_CHECK_S = 2.0
+"""Ray Train's own default for :data:`HEALTH_CHECK_ENV`."""
+MIN_HEALTH_CHECK_S = 0.25
+MAX_RANK_POLLS_PER_S = 256.0
+
+
+def health_check_interval_s(workers: int) -> float:
+    """Seconds between two polls of the ranks by Ray Train's controller, for a job of ``workers`` ranks.
+
+    The poll is how Ray Train learns that a rank died or finished, and how it takes each rank's
+    ``report``: a rank holds one unread report at most, so a rank reporting again before the next poll
+    waits for it (with Ray's 2 s, a job checkpointing every 0.2 s of training trains at one checkpoint
+    per 2 s). The driver polls as often as every 0.25 s, for at most 256 rank polls per second: each
+    is one small actor call, and the controller is one process. From 512 ranks on, Ray's own 2 s.
+    """
+    return min(RAY_HEALTH_CHECK_S, max(MIN_HEALTH_CHECK_S, max(1, workers) / MAX_RANK_POLLS_PER_S))
+
+
+def ray_train_env(workers: int) -> dict[str, str]:
+    """The Ray Train settings the driver sets unless set (:data:`RAY_TRAIN_ENV_DEFAULTS` and the poll)."""
+    return {**RAY_TRAIN_ENV_DEFAULTS, HEALTH_CHECK_ENV: f"{health_check_interval_s(workers):g}"}
 
 
 class UsageError(Exception):
@@ -157,7 +183,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
     # Ray Train v2 is chosen when ray.train is first imported; set the switch before that.
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     # Read by Ray Train's controller and workers: fit() hands the driver's values to both.
-    for name, value in RAY_TRAIN_ENV_DEFAULTS.items():
+    for name, value in ray_train_env(cfg.spec.scaling.max_workers).items():
         os.environ.setdefault(name, value)
     # The v2 classes by their own modules: ``ray.train`` and ``ray.train.torch`` re-export them only
     # when v2 is on, which type checkers cannot see (and which a stray RAY_TRAIN_V2_ENABLED=0 would flip).

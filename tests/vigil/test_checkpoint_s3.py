@@ -246,17 +246,17 @@ def test_the_driver_hands_an_s3_storage_to_ray_train_and_the_ranks_and_sees_prog
     from vigil import raytrain
     from vigil.contract.schemas import JobCreate
     from vigil.driver import (
-        RAY_TRAIN_ENV_DEFAULTS,
         UsageError,
         build_trainer,
         newest_valid_step,
         parse_config,
         rank_config,
+        ray_train_env,
         run_name,
     )
     from vigil.runner import job_files_dir
 
-    for name in RAY_TRAIN_ENV_DEFAULTS:  # build_trainer sets them; restored after the test
+    for name in ray_train_env(1):  # build_trainer sets them; restored after the test
         monkeypatch.delenv(name, raising=False)
     env = {"VIGIL_JOB_ID": "drv-s3", "VIGIL_JOB_SPEC": JobCreate(name="drv").model_dump_json(),
            "VIGIL_STORAGE_PATH": s3.uri + "/"}

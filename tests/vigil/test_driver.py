@@ -17,6 +17,7 @@ from vigil.driver import (
     build_trainer,
     main,
     parse_config,
+    ray_train_env,
     without_idle_datasets_callback,
 )
 
@@ -71,7 +72,7 @@ def test_trainer_is_built_from_the_spec(tmp_path: Path, monkeypatch: pytest.Monk
 
     from vigil.runner import train_loop_per_worker
 
-    for name in RAY_TRAIN_ENV_DEFAULTS:  # build_trainer sets them; restored after the test
+    for name in ray_train_env(1):  # build_trainer sets them; restored after the test
         monkeypatch.delenv(name, raising=False)
     cfg = DriverConfig(job_id="j9", spec=SPEC, run_dir="/tmp/vr", storage_path=str(tmp_path), report_interval=4)
     t = build_trainer(cfg)
@@ -123,17 +124,36 @@ def test_ray_train_timeouts_are_set_unless_the_environment_has_them(
 ) -> None:
     import os
 
-    for name in RAY_TRAIN_ENV_DEFAULTS:
+    for name in ray_train_env(1):
         monkeypatch.delenv(name, raising=False)  # restored after the test
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "42")
     t = build_trainer(DriverConfig(job_id="a/../b", spec=SPEC, run_dir=None, storage_path=str(tmp_path)))
     assert os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "42"  # the operator's value wins
     assert os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] == "1"
+    assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.25"  # SPEC: at most 4 ranks
     assert RAY_TRAIN_ENV_DEFAULTS["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "15"
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "3")
+    build_trainer(DriverConfig(job_id="c", spec=SPEC, run_dir=None, storage_path=str(tmp_path)))
+    assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"  # the operator's value wins here too
     # Paths from a job id are slugged: no traversal out of the storage path.
     assert "/" not in t.run_config.name and ".." not in t.run_config.name
     root = Path(t.train_loop_config["checkpoint_root"])
     assert root.parent.parent == tmp_path and ".." not in root.parts
+
+
+def test_ray_train_polls_small_jobs_8x_as_often_as_ray_and_never_more_than_256_ranks_per_second() -> None:
+    """Ray Train's 2 s poll is also how often a rank may report (one unread report per rank): a small job
+    is polled every 0.25 s; the poll slows with the job so the controller makes at most 256 rank polls
+    per second, and is never slower than Ray's own 2 s."""
+    from vigil.driver import health_check_interval_s
+
+    assert [health_check_interval_s(n) for n in (0, 1, 2, 64)] == [0.25] * 4
+    assert health_check_interval_s(128) == 0.5 and health_check_interval_s(256) == 1.0
+    assert [health_check_interval_s(n) for n in (512, 4096)] == [2.0, 2.0]
+    for n in (1, 2, 16, 64, 100, 256, 300, 511, 512, 10_000):
+        assert n / health_check_interval_s(n) <= 256 or health_check_interval_s(n) == 2.0
+    assert ray_train_env(8)["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.25"
+    assert ray_train_env(300)["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "1.17188"
 
 
 def test_a_failed_run_that_progressed_is_run_again_one_without_progress_fails() -> None:
