@@ -128,8 +128,11 @@ class Runner(FaultRun):
         if not in_rank:
             hit_step = fault_step
         else:
-            # The rank fires it: the clock starts when that step ran, not when the file was written.
-            # Read now, before a restart replays the step (the series keeps a step's newest run).
+            # The rank fires it at the first step at or after the one asked for (its file can land after that
+            # step when the steps are fast): the step it says it hit. The clock starts when that step ran, not
+            # when the file was written. Read now, before a restart replays the step (the series keeps a
+            # step's newest run).
+            hit_step = next((f["hit_step"] for f in self.faults(job.id) if f.get("hit_step") is not None), hit_step)
             steps, ts, _ = self.rank0_series(job.id)
             fired = next((t for st, t in zip(steps, ts, strict=True) if st == hit_step and t >= fired), fired)
         status = self.finish(job.id)
