@@ -16,6 +16,7 @@ from controller.db import session_scope
 from controller.jobs import active_jobs, record_event, transition
 from controller.launcher import JobLauncher, LaunchError
 from controller.models import Job
+from controller.recovery.incidents import close_for_ended_jobs
 from controller.tokens import create_token, revoke_job_tokens
 from vigil.contract.background import BackgroundLoop
 from vigil.contract.schemas import STORED, JobCreate, JobStatus, Role, TokenCreate
@@ -84,6 +85,10 @@ class Supervisor(BackgroundLoop):
         transition(session, job, st.status, st.message if st.status == JobStatus.FAILED else None)
         if st.status == JobStatus.SUCCEEDED:
             self._final_step(session, job)
+        if st.status.is_terminal():
+            # Its incidents settle with it (one transaction): a reader never sees an ended job whose
+            # recovery still says ACTING until the monitor's next pass (seen in CI).
+            close_for_ended_jobs(session)
 
     def _final_step(self, session: Session, job: Job) -> None:
         """The job's own word on where it ended (its driver's last line, vigil/driver.py): telemetry that

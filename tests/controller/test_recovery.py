@@ -23,6 +23,25 @@ def test_clean_run_has_no_incidents(env: Env) -> None:
     assert env.cluster.drained == []
 
 
+def test_an_incident_settles_in_the_pass_that_sees_its_job_end(env: Env) -> None:
+    """Ray says the job SUCCEEDED before any monitor pass saw it step again after the restart (fast steps):
+    the supervisor's pass that stores the end also marks the recovery RECOVERED; no reader sees an ended job
+    whose incident still says ACTING."""
+    from controller.launcher import LaunchStatus
+    from vigil.contract.schemas import JobStatus
+
+    env.steps(1, 3)
+    env.monitor.step()
+    env.alive[1] = False
+    env.heartbeats()
+    env.monitor.step()
+    assert [i["status"] for i in env.incidents()] == ["ACTING"]
+    env.launcher.statuses[f"fake-{env.job_id}"] = LaunchStatus(JobStatus.SUCCEEDED)
+    env.client.app.state.supervisor.step()  # no monitor pass in between
+    assert env.client.get(f"{API}/jobs/{env.job_id}").json()["status"] == "SUCCEEDED"
+    assert [i["status"] for i in env.incidents()] == ["RECOVERED"]
+
+
 def test_node_lost_after_heartbeat_timeout(env: Env) -> None:
     env.steps(1, 5)
     env.monitor.step()
