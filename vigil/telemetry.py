@@ -392,13 +392,13 @@ class RankTelemetry:
     def drain(self, timeout_s: float = DRAIN_S, return_s: float = AGENT_RETURN_S) -> int:
         """Send what is not delivered yet, waiting up to ``timeout_s`` while the agent is there but busy
         (its queue full); at once if there never was an agent; up to ``return_s`` for the successor of
-        an agent this rank spoke to that is gone (it comes back within seconds). Returns the samples
-        still undelivered."""
+        an agent this rank spoke to that is gone (it comes back within seconds), which then gets the replay
+        window, delivered or not. Returns the samples still undelivered."""
         start = found = time.monotonic()
         self.flush()
-        while self._unsent and self._sock is not None:
+        while self._sock is not None and (self._unsent or self._agent_gone()):
             now = time.monotonic()
-            if self._agent_takes():
+            if self._unsent and self._agent_takes():
                 if now - found >= timeout_s:
                     break  # there, but it takes nothing
                 time.sleep(0.01)
@@ -409,6 +409,18 @@ class RankTelemetry:
                 break  # no agent ever, or none came back
             self.flush()
         return sum(entry[1] for entry in list(self._backlog)[len(self._backlog) - self._unsent:])
+
+    def _agent_gone(self) -> bool:
+        """Whether the agent this rank's replay window went to is gone (its socket refuses, or is another's,
+        or none): what it took last may have died with it (CI: a rank that had sent its every step ended
+        while its agent, killed with ``kill -9``, was being started again; its last steps never arrived)."""
+        if self._agent_inode is None or not self._backlog:
+            return False
+        try:
+            st = os.stat(self.socket_path)
+        except OSError:
+            return True
+        return (st.st_ino, st.st_ctime_ns) != self._agent_inode or not self._agent_takes()
 
     def _agent_takes(self) -> bool:
         """Whether the agent's socket accepts connections at all (False: refused, a stale file)."""

@@ -346,6 +346,43 @@ def test_close_waits_for_a_dead_agents_successor_and_gives_it_everything(sock_di
     assert got == [1, 2, 3, 4] and tx.dropped_total == 0  # step 1 again: the dead agent may have lost it
 
 
+def test_close_replays_to_the_successor_of_an_agent_that_died_after_taking_everything(sock_dir: Path) -> None:
+    """Every step was delivered, then the agent was killed before it passed them on: the rank that ends
+    then waits for the next agent and sends its replay window again."""
+    path = sock_dir / "agent.sock"
+    rx = _listener(path)
+    tx = RankTelemetry(path)
+    for s in range(1, 4):
+        tx.send_step(_step(s))
+    assert _steps(_recv_all(rx)) == [1, 2, 3] and tx.unsent == 0
+    rx.close()  # kill -9: the socket file stays, nobody reads it
+    got: list[int] = []
+
+    def successor() -> None:
+        time.sleep(0.8)
+        path.unlink()
+        again = _listener(path)
+        got.extend(_read_until(again, 3))
+        again.close()
+
+    t = threading.Thread(target=successor)
+    t.start()
+    tx.close()
+    t.join(10)
+    assert got == [1, 2, 3] and tx.replays == 1
+
+
+def test_close_does_not_wait_for_a_live_agent_that_took_everything(sock_dir: Path) -> None:
+    path = sock_dir / "agent.sock"
+    rx = _listener(path)
+    tx = RankTelemetry(path)
+    tx.send_step(_step(1))
+    t0 = time.perf_counter()
+    tx.close()
+    assert time.perf_counter() - t0 < 5.0 and _steps(_recv_all(rx)) == [1] and tx.replays == 0
+    rx.close()
+
+
 def test_close_waits_a_bounded_time_for_an_agent_that_never_comes_back(sock_dir: Path) -> None:
     path = sock_dir / "agent.sock"
     rx = _listener(path)
