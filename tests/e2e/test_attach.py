@@ -102,6 +102,11 @@ def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attach
     from vigil.contract.schemas import FaultCreate
 
     with VigilClient(attached.controller_url, token=attached.admin_token, timeout=30) as client:
+        # A spare node for the restart (the head has no CPU for a rank): the one the test above adds, or its
+        # own when that test failed before adding it (CI: this job then waited for a node that never came).
+        if "attached-node-3" not in wait_for(attached.ray_alive, 30, "Ray's list of nodes", 1, (Exception,)):
+            attached.add_node(3)
+        wait_for(lambda: "attached-node-3" in _heard(client), 120, "an agent on the spare node", 1, (Exception,))
         job = client.submit_job(JobCreate.model_validate({
             "name": "attached-kill-node", "model": {"n_layer": 1, "n_head": 2, "d_model": 32, "context": 32},
             "data": {"max_bytes": 100_000}, "optimizer": {"kind": "adamw", "lr": 0.01},
