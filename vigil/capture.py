@@ -45,13 +45,12 @@ from typing import Any
 
 from vigil.comm import CollectiveRecord
 from vigil.contract.schemas import CAPTURED_TAG, StepSample
+from vigil.contract.settings import ENV_FR_BUFFER, FR_BUFFER_DEFAULT
 
 log = logging.getLogger(__name__)
 
-FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-"""torch's Flight Recorder size (entries per process); must be set before the first process group."""
-FR_BUFFER_DEFAULT = 500
-"""What Vigil sets for its ranks unless the environment has it: a dump of a full buffer costs ~5 ms."""
+FR_BUFFER_ENV = ENV_FR_BUFFER
+"""torch's Flight Recorder size (entries per process): :data:`vigil.contract.settings.ENV_FR_BUFFER`."""
 READ_FILL = 0.8
 """Read once this share of the buffer is new (by the last read's rate of entries per step)."""
 READ_SOON_S = 2.0

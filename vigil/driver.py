@@ -179,7 +179,7 @@ def rank_config(cfg: DriverConfig) -> dict[str, Any]:
 
 
 def build_trainer(cfg: DriverConfig) -> Any:
-    """The ``TorchTrainer`` for ``cfg`` (needs ``ray.init`` before ``fit``)."""
+    """The Ray Train trainer for ``cfg`` (needs ``ray.init`` before ``fit``)."""
     # Ray Train v2 is chosen when ray.train is first imported; set the switch before that.
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     # Read by Ray Train's controller and workers: fit() hands the driver's values to both.
@@ -187,11 +187,11 @@ def build_trainer(cfg: DriverConfig) -> Any:
         os.environ.setdefault(name, value)
     # The v2 classes by their own modules: ``ray.train`` and ``ray.train.torch`` re-export them only
     # when v2 is on, which type checkers cannot see (and which a stray RAY_TRAIN_V2_ENABLED=0 would flip).
-    from ray.train.torch import TorchConfig
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.v2.torch.torch_trainer import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from vigil.capture import FR_BUFFER_DEFAULT, FR_BUFFER_ENV
+    from vigil.contract.settings import ENV_FR_BUFFER, FR_BUFFER_DEFAULT
+    from vigil.ray_backend import RankGroupConfig
     from vigil.runner import train_loop_per_worker
 
     sc = cfg.spec.scaling
@@ -200,8 +200,9 @@ def build_trainer(cfg: DriverConfig) -> Any:
     )
     budget = RestartBudget(cfg.spec.recovery.max_restarts)
 
-    class Trainer(TorchTrainer):  # type: ignore[misc]
-        """Ray's ``TorchTrainer`` without an actor for Ray Datasets that no Vigil job passes."""
+    class Trainer(DataParallelTrainer):  # type: ignore[misc]
+        """Ray's ``TorchTrainer``, less two costs: no torch import in the driver and Ray Train's controller
+        (:mod:`vigil.ray_backend`), no actor for Ray Datasets that no Vigil job passes."""
 
         def _create_default_callbacks(self) -> list[Any]:
             return without_idle_datasets_callback(super()._create_default_callbacks(), self.datasets)
@@ -209,7 +210,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
     return Trainer(
         train_loop_per_worker,
         train_loop_config=rank_config(cfg),
-        torch_config=TorchConfig(backend="gloo"),
+        backend_config=RankGroupConfig(backend="gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers, resources_per_worker={"CPU": sc.cpus_per_worker}, use_gpu=False
         ),
@@ -223,7 +224,7 @@ def build_trainer(cfg: DriverConfig) -> Any:
             # The Flight Recorder records every collective of the user's code (vigil.capture): sized
             # before Ray Train makes the process group.
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                             FR_BUFFER_ENV: os.environ.get(FR_BUFFER_ENV, str(FR_BUFFER_DEFAULT))}},
+                                             ENV_FR_BUFFER: os.environ.get(ENV_FR_BUFFER, str(FR_BUFFER_DEFAULT))}},
         ),
     )
 

@@ -38,12 +38,14 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 from pydantic import ValidationError
 
-from vigil.comm import CollectiveRecord
 from vigil.contract.schemas import CheckpointSample, CollectiveSample, FaultSample, ProgressSample, StepSample
+
+if TYPE_CHECKING:  # a type only: the job's driver checks job ids here and loads no torch (vigil/ray_backend.py)
+    from vigil.comm import CollectiveRecord
 
 log = logging.getLogger(__name__)
 

@@ -68,8 +68,7 @@ def test_main_exits_2_with_a_clear_message(monkeypatch: pytest.MonkeyPatch, caps
 
 
 def test_trainer_is_built_from_the_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray.train.torch import TorchConfig
-
+    from vigil.ray_backend import RankGroupConfig
     from vigil.runner import train_loop_per_worker
 
     for name in ray_train_env(1):  # build_trainer sets them; restored after the test
@@ -83,7 +82,7 @@ def test_trainer_is_built_from_the_spec(tmp_path: Path, monkeypatch: pytest.Monk
     assert (rc.name, rc.storage_path) == ("vigil-j9", str(tmp_path))
     assert rc.failure_config.max_failures == 5
     assert rc.checkpoint_config.num_to_keep == 2
-    assert isinstance(t.backend_config, TorchConfig) and t.backend_config.backend == "gloo"
+    assert isinstance(t.backend_config, RankGroupConfig) and t.backend_config.backend == "gloo"
     assert t.train_loop_per_worker is train_loop_per_worker
     loop_cfg = t.train_loop_config
     assert JobCreate.model_validate(loop_cfg["spec"]) == SPEC

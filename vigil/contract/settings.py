@@ -207,6 +207,11 @@ def child_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, 
     return {**kept, **extra}
 
 
+ENV_FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
+"""torch's Flight Recorder size (entries per process); must be set before the first process group."""
+FR_BUFFER_DEFAULT = 500
+"""What Vigil sets for its ranks unless the environment has it: a dump of a full buffer costs ~5 ms.
+(Here, not in :mod:`vigil.capture`, which imports torch: the job's driver sets it for the ranks.)"""
 ENV_JOB_ID = "VIGIL_JOB_ID"
 ENV_JOB_SPEC = "VIGIL_JOB_SPEC"
 """The job spec as JSON (``JobCreate``), for its driver."""
