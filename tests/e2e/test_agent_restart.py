@@ -76,7 +76,7 @@ def test_an_agent_killed_mid_job_comes_back_and_nothing_is_lost(shared_cluster: 
         return new[0] if new and new[0] != old.proc.pid else None
 
     wait_for(back, 10, f"the agent of {node} started again")
-    wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, f"{job.id} to end", 2)
+    wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, f"{job.id} to end", 0.5)
     done = client.get_job(job.id)
     assert done.status == JobStatus.SUCCEEDED, done.message
     assert done.last_step == STEPS
@@ -86,6 +86,6 @@ def test_an_agent_killed_mid_job_comes_back_and_nothing_is_lost(shared_cluster: 
         m = client.job_metrics(job.id, max_points=100_000)
         return len(m.ranks) == 2 and all(set(range(1, STEPS + 1)) <= set(s.step) for s in m.ranks)
 
-    wait_for(every_step, 30, "every step of every rank stored", 1)
+    wait_for(every_step, 30, "every step of every rank stored", 0.5)
     assert all(e.kind != "node_lost" for e in client.list_events(limit=500).data if e.node_id == node)
     assert shared_cluster.keeper is not None and shared_cluster.keeper.restarts.get(name, 0) >= 1

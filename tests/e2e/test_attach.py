@@ -69,12 +69,12 @@ def test_agents_on_every_node_through_ray_and_back_after_kill_9(attached: Attach
             "data": {"max_bytes": 100_000}, "optimizer": {"kind": "adamw", "lr": 0.01},
             "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": STEPS, "batch_size": 4,
             "checkpoint": {"interval_steps": 40, "keep_last": 2}, "recovery": {"policy": "evict_restart"}}))
-        wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 20, 300, "step 20", 1)
+        wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 20, 300, "step 20", 0.5)
         (old,) = _agents(attached, "attached-node-1")
         os.kill(old, signal.SIGKILL)
         wait_for(lambda: [p for p in _agents(attached, "attached-node-1") if p != old], 10,
                  "the agent of attached-node-1 started again", 0.2)
-        wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, "the job to end", 2)
+        wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, "the job to end", 0.5)
         done = client.get_job(job.id)
         assert done.status == JobStatus.SUCCEEDED and done.last_step == STEPS, done.message
         assert client.job_incidents(job.id).data == []
@@ -83,7 +83,7 @@ def test_agents_on_every_node_through_ray_and_back_after_kill_9(attached: Attach
             m = client.job_metrics(job.id, max_points=100_000)
             return len(m.ranks) == 2 and all(set(range(1, STEPS + 1)) <= set(s.step) for s in m.ranks)
 
-        wait_for(every_step, 30, "every step of every rank stored", 1)
+        wait_for(every_step, 30, "every step of every rank stored", 0.5)
 
         # The actor itself killed: Ray starts it again on its node, and it starts a new agent.
         (agent,) = _agents(attached, "attached-node-2")
@@ -113,7 +113,7 @@ def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attach
             "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1}, "steps": 500, "batch_size": 4,
             "checkpoint": {"interval_steps": 50, "keep_last": 2}, "recovery": {"policy": "evict_restart"}}))
         # 500 tiny steps (tens a second): the job still runs when its node is killed, a few seconds after step 25.
-        wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 25, 300, "step 25", 1)
+        wait_for(lambda: (client.get_job(job.id).last_step or 0) >= 25, 300, "step 25", 0.5)
         # The ranks' steps and the agents' heartbeats (which name the ranks a node runs) travel apart: step 25
         # can be stored before the heartbeat that first names a rank (seen in CI), so wait for it.
         node = wait_for(lambda: next((n.id for n in client.list_nodes().data for r in n.ranks
@@ -121,6 +121,6 @@ def test_kill_node_through_a_ray_deployed_agent_takes_its_whole_node_down(attach
         client.inject_fault(job.id, FaultCreate.model_validate({"kind": "kill_node", "node_id": node}))
         wait_for(lambda: node not in attached.ray_alive(), 60, f"Ray to lose {node}", 1, (Exception,))
         assert _agents(attached, node) == []  # the agent went with its node
-        wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, "the job to end", 2)
+        wait_for(lambda: client.get_job(job.id).status.is_terminal(), 420, "the job to end", 0.5)
         assert client.get_job(job.id).status == JobStatus.SUCCEEDED
         assert any(i.kind.value == "node_lost" and i.node_id == node for i in client.job_incidents(job.id).data)

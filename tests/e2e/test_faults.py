@@ -77,7 +77,7 @@ def _spec(name: str, policy: str = "evict_restart", steps: int = STEPS, ckpt: in
 
 
 def _finish(client: VigilClient, job_id: str, timeout: float = 420) -> None:
-    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
+    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 0.5)
     job = client.get_job(job_id)
     assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
 
@@ -181,7 +181,7 @@ def test_clean_run_has_no_incidents_even_across_a_controller_kill_9(client: Vigi
 
     # The agents replay what they spooled while the controller was down (with backoff): wait for it.
     try:
-        wait_for(lambda: not any(missing().values()), 90, "every step of every rank", 2)
+        wait_for(lambda: not any(missing().values()), 90, "every step of every rank", 0.5)
     except TimeoutError:
         pytest.fail(f"steps lost: { {r: m[:20] for r, m in missing().items()} }")
 

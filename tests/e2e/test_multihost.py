@@ -167,7 +167,7 @@ def test_a_job_survives_a_dead_machine_from_s3_and_a_new_machine_takes_work(mach
                              cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         job_id = out.stdout.strip().splitlines()[-1].strip()
-        wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 2 * CKPT + 5, 300, "two checkpoints", 1)
+        wait_for(lambda: (client.get_job(job_id).last_step or 0) >= 2 * CKPT + 5, 300, "two checkpoints", 0.5)
         assert any("/checkpoints/step-" in k for k in m.s3.objects("multihost/"))  # on S3, nowhere else
         m.kill_node(3)
         wait_for(lambda: client.get_job(job_id).status.is_terminal() or _ranks_on(client, job_id).get("m2"), 60,
@@ -181,9 +181,9 @@ def test_a_job_survives_a_dead_machine_from_s3_and_a_new_machine_takes_work(mach
             took.extend(_ranks_on(client, job_id).get("m4") or [])
             return bool(took) or client.get_job(job_id).status.is_terminal()
 
-        wait_for(on_m4, 300, "a rank of the job on the new machine", 2)
+        wait_for(on_m4, 300, "a rank of the job on the new machine", 0.5)
         assert took, "the job ended without ever running on the machine that joined"
-        wait_for(lambda: client.get_job(job_id).status.is_terminal(), 600, "the job to end", 2)
+        wait_for(lambda: client.get_job(job_id).status.is_terminal(), 600, "the job to end", 0.5)
         job = client.get_job(job_id)
         assert job.status == JobStatus.SUCCEEDED and job.last_step == STEPS, (job.message, json.dumps(
             [(i.kind, i.node_id, i.action) for i in client.job_incidents(job_id).data]))

@@ -54,7 +54,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
             return ((nodes()[node].get("host") or {}).get("link") or {}).get("rate_bps")
 
         # Every worker node's agent reports from inside its namespace: its eth0, its shaped link.
-        wait_for(lambda: link_rate("vigil-node-1") and link_rate("vigil-node-2"), 60, "agents' link data", 1.0)
+        wait_for(lambda: link_rate("vigil-node-1") and link_rate("vigil-node-2"), 60, "agents' link data", 0.5)
         ns = nodes()
         for i in (1, 2):
             n = ns[f"vigil-node-{i}"]
@@ -69,7 +69,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
                 "recovery": {"policy": "observe"}}
         job = api.post("/jobs", json=spec).json()
         job_id = job["id"]
-        wait_for(lambda: (api.get(f"/jobs/{job_id}").json().get("last_step") or 0) >= 20, 400, "20 steps", 2)
+        wait_for(lambda: (api.get(f"/jobs/{job_id}").json().get("last_step") or 0) >= 20, 400, "20 steps", 0.5)
         tree = [p.pid for c in cluster.procs.children for p in psutil.Process(c.proc.pid).children(recursive=True)]
         tree += [c.proc.pid for c in cluster.procs.children]
         # The ranks run on the two namespaced nodes (the head has no CPUs).
@@ -117,7 +117,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
 
         fault = api.post(f"/jobs/{job_id}/faults", json={"kind": "degrade_nic", "node_id": "vigil-node-2",
                                                           "params": {"fraction": 0.25}}).json()
-        wait_for(lambda: link_rate("vigil-node-2") == 50_000_000, 60, "the agent to degrade the link", 1.0)
+        wait_for(lambda: link_rate("vigil-node-2") == 50_000_000, 60, "the agent to degrade the link", 0.5)
         degraded_since = time.time() + 1
         time.sleep(12)
         slow, _ = grads_transfer(degraded_since)
@@ -136,7 +136,7 @@ def test_netns_cluster_job_fault_detection_and_cleanup(tmp_path: Path) -> None:
         assert others == [], others
 
         api.post(f"/jobs/{job_id}/faults/{fault['id']}/clear")
-        wait_for(lambda: link_rate("vigil-node-2") == 200_000_000, 60, "the configured link back", 1.0)
+        wait_for(lambda: link_rate("vigil-node-2") == 200_000_000, 60, "the configured link back", 0.5)
         assert link_rate("vigil-node-1") == 200_000_000
         api.post(f"/jobs/{job_id}/cancel")
         # A tenant's attacks from inside the namespaces (as on the plain cluster: tests/e2e/test_tenant.py):

@@ -75,7 +75,7 @@ def test_the_standby_takes_over_and_recovers_a_fault_injected_after_the_leaders_
     })
     with VigilClient(leader_url, token=cluster.admin_token, timeout=30) as first:
         job = first.submit_job(spec)
-        wait_for(lambda: (first.get_job(job.id).last_step or 0) >= 5, 240, f"{job.id} to reach step 5", 1)
+        wait_for(lambda: (first.get_job(job.id).last_step or 0) >= 5, 240, f"{job.id} to reach step 5", 0.5)
 
     cluster.procs.stop_child(cluster.procs.child("controller"))  # kill -9 of the leader's whole session
     wait_for(lambda: _leader(standby_url), 30, "the standby to take the leadership", 0.2, (httpx.HTTPError,))
@@ -84,7 +84,7 @@ def test_the_standby_takes_over_and_recovers_a_fault_injected_after_the_leaders_
         node, pid = _rank_node(client, job.id, 1)  # the agents' heartbeats reach the standby
         at = (client.get_job(job.id).last_step or 5) + 8
         client.inject_fault(job.id, FaultCreate.model_validate({"kind": "kill_rank", "rank": 1, "step": at}))
-        wait_for(lambda: client.get_job(job.id).status.is_terminal(), 300, f"{job.id} to end", 2)
+        wait_for(lambda: client.get_job(job.id).status.is_terminal(), 300, f"{job.id} to end", 0.5)
         final = client.get_job(job.id)
         assert final.status == JobStatus.SUCCEEDED, f"{final.message}\n{client.job_logs(job.id).logs[-4000:]}"
 

@@ -69,7 +69,7 @@ def _assert_telemetry(client: VigilClient, job_id: str, steps: int, first: int =
         return m if len(m.ranks) == 2 and all(want <= set(s.step) for s in m.ranks) else None
 
     try:
-        wait_for(complete, 30, f"{job_id}'s steps {first}..{steps} from both ranks", 1)
+        wait_for(complete, 30, f"{job_id}'s steps {first}..{steps} from both ranks", 0.5)
     except TimeoutError:
         pass  # said precisely below
     metrics = client.job_metrics(job_id, max_points=100_000)
@@ -246,7 +246,7 @@ def _wait_hang_by_collective(client: VigilClient, job_id: str) -> Any:
         return next((i for i in client.job_incidents(job_id).data if i.kind == IncidentKind.HANG
                      and "collectives" in i.evidence), None)
 
-    return wait_for(hang, 300, f"{job_id}'s hang to be diagnosed", 2)
+    return wait_for(hang, 300, f"{job_id}'s hang to be diagnosed", 0.5)
 
 
 def _cancel_and_free(client: VigilClient, job_id: str) -> None:

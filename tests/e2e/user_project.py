@@ -109,7 +109,7 @@ if __name__ == "__main__":
 
 
 def finish(client: VigilClient, job_id: str, timeout: float = 360) -> None:
-    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 2)
+    wait_for(lambda: client.get_job(job_id).status.is_terminal(), timeout, f"{job_id} to end", 0.5)
     job = client.get_job(job_id)
     assert job.status == JobStatus.SUCCEEDED, f"{job.status}: {job.message}\n{client.job_logs(job_id).logs[-4000:]}"
 
