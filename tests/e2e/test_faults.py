@@ -39,7 +39,9 @@ step 25: the job still runs then."""
 CKPT = 10
 CLEAN_STEPS = 600
 """The clean run's steps: it must train on through the controller's 12 s away (asserted), at tens of steps a second."""
-LIVE_HANG_STEPS = 600
+LIVE_HANG_STEPS = 300
+"""The live hang job's steps (0.1 s of sleep each: the job is bound by them). Rank 0 is back in step with rank 1's
+replacement within 10 s of the stall at :data:`LIVE_STALL_AT` (asserted), about 100 steps on; then 140 to go."""
 LIVE_STALL_AT = 60
 
 
