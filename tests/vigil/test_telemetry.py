@@ -321,6 +321,25 @@ def test_pack_respects_limit_and_order() -> None:
     assert [x["i"] for d, _ in datagrams for x in json.loads(d)] == list(range(300))
 
 
+def _close_with_a_successor(tx: RankTelemetry, path: Path, last_step: int) -> list[int]:
+    """Close ``tx`` while a new agent takes the dead one's path 0.8 s later (as ``vigil up``'s keeper starts
+    it again); the steps that agent got, up to ``last_step``."""
+    got: list[int] = []
+
+    def successor() -> None:
+        time.sleep(0.8)
+        path.unlink()
+        again = _listener(path)
+        got.extend(_read_until(again, last_step))
+        again.close()
+
+    t = threading.Thread(target=successor)
+    t.start()
+    tx.close()
+    t.join(10)
+    return got
+
+
 def test_close_waits_for_a_dead_agents_successor_and_gives_it_everything(sock_dir: Path) -> None:
     path = sock_dir / "agent.sock"
     rx = _listener(path)
@@ -330,19 +349,7 @@ def test_close_waits_for_a_dead_agents_successor_and_gives_it_everything(sock_di
     rx.close()  # kill -9 of the agent: its socket file stays, nobody reads it
     for s in range(2, 5):
         tx.send_step(_step(s))  # the rank trains on: kept in its backlog
-    got: list[int] = []
-
-    def successor() -> None:  # vigil up's keeper starts the agent again a moment later
-        time.sleep(0.8)
-        path.unlink()
-        again = _listener(path)
-        got.extend(_read_until(again, 4))
-        again.close()
-
-    t = threading.Thread(target=successor)
-    t.start()
-    tx.close()  # the rank ends before the agent is back: close waits for it
-    t.join(10)
+    got = _close_with_a_successor(tx, path, 4)  # the rank ends before the agent is back: close waits for it
     assert got == [1, 2, 3, 4] and tx.dropped_total == 0  # step 1 again: the dead agent may have lost it
 
 
@@ -356,20 +363,7 @@ def test_close_replays_to_the_successor_of_an_agent_that_died_after_taking_every
         tx.send_step(_step(s))
     assert _steps(_recv_all(rx)) == [1, 2, 3] and tx.unsent == 0
     rx.close()  # kill -9: the socket file stays, nobody reads it
-    got: list[int] = []
-
-    def successor() -> None:
-        time.sleep(0.8)
-        path.unlink()
-        again = _listener(path)
-        got.extend(_read_until(again, 3))
-        again.close()
-
-    t = threading.Thread(target=successor)
-    t.start()
-    tx.close()
-    t.join(10)
-    assert got == [1, 2, 3] and tx.replays == 1
+    assert _close_with_a_successor(tx, path, 3) == [1, 2, 3] and tx.replays == 1
 
 
 def test_close_does_not_wait_for_a_live_agent_that_took_everything(sock_dir: Path) -> None:
