@@ -237,7 +237,9 @@ class Runner(FaultRun):
             out["error"] = "the checkpoint was not corrupted"
             return out
         fired = time.time()
-        self.inject(job.id, {"kind": "kill_rank", "rank": 1, "step": 0})
+        # Through its agent: a rank stopped with SIGSTOP reads no fault file of its own (seen: the in-rank kill
+        # waited 7.5 min for Ray Train's own timeout).
+        self.inject(job.id, {"kind": "kill_rank", "rank": 1, "step": 0, "params": {"mode": "agent"}})
         out["status"] = self.finish(job.id)
         events = [e for e in self.events(job.id)
                   if e["kind"] == "checkpoint_invalid"]
