@@ -21,7 +21,8 @@ from vigil.contract.client import VigilClient
 from vigil.contract.probe import wait_for
 from vigil.contract.schemas import FaultCreate, JobCreate, JobStatus
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+# No timing judged (a kill noticed by the standby, a job that ends): beside the parallel tests.
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.beside]
 
 STEPS = 1200
 """Long enough to train on through the takeover (the agents find the standby after their backoff, up to 10 s) and
