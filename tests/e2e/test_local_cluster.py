@@ -22,7 +22,8 @@ from vigil.contract.client import ApiError, VigilClient
 from vigil.contract.schemas import JobCreate, JobStatus
 from vigil.contract.settings import admin_token_path
 
-# No timing judged (jobs that succeed, losses that fall, processes that end): beside the parallel tests.
+# No timing judged (jobs that succeed, losses that fall, processes that end): beside the parallel tests, one
+# Ray cluster at a time (tests/conftest.py: CLUSTER_MODULES).
 pytestmark = [pytest.mark.slow, pytest.mark.beside]
 
 
