@@ -22,7 +22,7 @@ run: $(STAMP)
 ## and so do those marked links (they change the host's network links, which makes the browser tests'
 ## Chromium abort its requests). Slow tests marked beside (no timing judged, mostly waiting) run first among
 ## the parallel ones instead, those with a Ray cluster of their own one after another on one worker (the
-## group of tests/conftest.py: CLUSTER_MODULES) while two more run the short tests.
+## xdist group "clusters", tests/conftest.py) while two more run the short tests.
 test: $(STAMP) browser lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((not slow and not timing) or beside) and not links" -n 3 --dist loadgroup --durations=15
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((slow or timing) and not beside) or links" --durations=60

@@ -38,42 +38,22 @@ def pytest_configure(config: pytest.Config) -> None:
     ensure_ray_token()
 
 
-CLUSTER_MODULES = frozenset({
-    "tests/e2e/test_local_cluster.py", "tests/e2e/test_takeover.py", "tests/e2e/test_vigil_up.py",
-    "tests/vigil/test_ray_integration.py",
-})
-"""The ``beside`` modules that start a Ray cluster of their own: in the parallel half of `make test` (``--dist
-loadgroup``) they are one unit of work, run one after another on one worker, so that at most one such
-cluster runs beside the short tests (two at once on this 2-core machine slow each other's jobs)."""
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """``--dist loadgroup`` with :data:`CLUSTER_MODULES` as one group. pytest-xdist's own groups
-    (``xdist_group`` marks) do not form under pytest 9: xdist 3.8 renames ``item._nodeid``, which pytest 9 no
-    longer reads (seen: two tests of one module, with one mark, ran on two workers, each starting its cluster)."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadGroupScheduling
-
-    class ClustersTogether(LoadGroupScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "clusters" if nodeid.split("::", 1)[0] in CLUSTER_MODULES else super()._split_scope(nodeid)
-
-    return ClustersTogether(config, log)  # type: ignore[arg-type]
+CLUSTERS_GROUP = "clusters"
+"""The pytest-xdist group (``--dist loadgroup``) of the tests marked both ``slow`` and ``beside``: each
+starts a Ray cluster of its own, and they run one after another on one worker, so that one such cluster at
+most runs beside the short tests (two at once on this 2-core machine slow each other's jobs)."""
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``beside`` (slow, but mostly waiting) first, in their order: in the parallel half of
-    `make test` they then start at once beside the short tests, rather than end it alone (those of
-    :data:`CLUSTER_MODULES` one after another, :func:`pytest_xdist_make_scheduler`). A test module that uses
-    the network namespaces of ``ops.netns`` outside the slow part must be marked ``links``."""
+    `make test` they then start at once beside the short tests, rather than end it alone; those that are
+    also ``slow`` (a Ray cluster each) in :data:`CLUSTERS_GROUP`. A test module that uses the network
+    namespaces of ``ops.netns`` outside the slow part must be marked ``links``."""
     _check_links(items)
-    strays = sorted({i.nodeid.split("::", 1)[0] for i in items if i.nodeid.split("::", 1)[0] in CLUSTER_MODULES
-                     and not i.get_closest_marker("beside")})
-    if strays:
-        raise pytest.UsageError(f"{strays} are in CLUSTER_MODULES (run beside the parallel tests) but not marked "
-                                "beside: mark them, or take them out of the list")
     beside = [i for i in items if i.get_closest_marker("beside")]
+    for item in beside:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group(CLUSTERS_GROUP))
     if beside:
         ids = {id(i) for i in beside}
         items[:] = beside + [i for i in items if id(i) not in ids]
