@@ -21,10 +21,9 @@ run: $(STAMP)
 ## timings) or timing (durations compared) run one at a time after them, so no other test's load skews them,
 ## and so do those marked links (they change the host's network links, which makes the browser tests'
 ## Chromium abort its requests). Slow tests marked beside (no timing judged, mostly waiting) run first among
-## the parallel ones instead, those with a Ray cluster of their own one after another on one worker (the
-## xdist group "clusters", tests/conftest.py) while two more run the short tests.
+## the parallel ones instead.
 test: $(STAMP) browser lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((not slow and not timing) or beside) and not links" -n 3 --dist loadgroup --durations=15
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((not slow and not timing) or beside) and not links" -n 2 --durations=15
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((slow or timing) and not beside) or links" --durations=60
 
 test-fast: $(STAMP)

@@ -38,22 +38,12 @@ def pytest_configure(config: pytest.Config) -> None:
     ensure_ray_token()
 
 
-CLUSTERS_GROUP = "clusters"
-"""The pytest-xdist group (``--dist loadgroup``) of the tests marked both ``slow`` and ``beside``: each
-starts a Ray cluster of its own, and they run one after another on one worker, so that one such cluster at
-most runs beside the short tests (two at once on this 2-core machine slow each other's jobs)."""
-
-
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``beside`` (slow, but mostly waiting) first, in their order: in the parallel half of
-    `make test` they then start at once beside the short tests, rather than end it alone; those that are
-    also ``slow`` (a Ray cluster each) in :data:`CLUSTERS_GROUP`. A test module that uses the network
-    namespaces of ``ops.netns`` outside the slow part must be marked ``links``."""
+    `make test` they then start at once beside the short tests, rather than end it alone. A test module
+    that uses the network namespaces of ``ops.netns`` outside the slow part must be marked ``links``."""
     _check_links(items)
     beside = [i for i in items if i.get_closest_marker("beside")]
-    for item in beside:
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group(CLUSTERS_GROUP))
     if beside:
         ids = {id(i) for i in beside}
         items[:] = beside + [i for i in items if id(i) not in ids]

@@ -22,8 +22,7 @@ from vigil.contract.client import ApiError, VigilClient
 from vigil.contract.schemas import JobCreate, JobStatus
 from vigil.contract.settings import admin_token_path
 
-# No timing judged (jobs that succeed, losses that fall, processes that end): beside the parallel tests.
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

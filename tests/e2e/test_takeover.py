@@ -21,8 +21,7 @@ from vigil.contract.client import VigilClient
 from vigil.contract.probe import wait_for
 from vigil.contract.schemas import FaultCreate, JobCreate, JobStatus
 
-# No timing judged (a kill noticed by the standby, a job that ends): beside the parallel tests.
-pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.beside]
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 STEPS = 1200
 """Long enough to train on through the takeover (the agents find the standby after their backoff, up to 10 s) and

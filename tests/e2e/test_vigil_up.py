@@ -28,8 +28,7 @@ from ops.cli import demo_job_spec
 from ops.localcluster import free_port
 from vigil.contract.settings import admin_token_path
 
-# No timing judged (a job that succeeds, pages that answer, processes that end): beside the parallel tests.
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+pytestmark = pytest.mark.slow
 
 JOB = """name: up-e2e
 model: {n_layer: 1, n_head: 2, d_model: 32, context: 32}

@@ -33,8 +33,7 @@ from vigil import checkpointing as checkpoint
 from vigil.contract.schemas import JobCreate
 from vigil.contract.settings import agent_socket_path
 
-# No timing judged (runs that end, resume and fall back): beside the parallel tests.
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+pytestmark = pytest.mark.slow
 
 STEPS = 10
 SPEC = JobCreate(
