@@ -266,11 +266,19 @@ def run(cfg: DriverConfig) -> dict[str, Any]:
     run_folder = join(as_location(cfg.storage_path), run_name(cfg.job_id))
     result = fit_while_progressing(lambda: build_trainer(cfg).fit(), lambda: newest_valid_step(root, run_folder),
                                    cfg.job_id, again=RestartBudget(cfg.spec.recovery.max_restarts).reruns)
-    metrics = dict(result.metrics or {})
-    # Ray's checkpoint is a pointer (vigil.checkpointing): name the checkpoint folder itself.
-    metrics["checkpoint"] = metrics.get("checkpoint_path") or (
-        result.checkpoint.path if result.checkpoint is not None else None
-    )
+    return result_metrics(result.metrics, getattr(result, "return_value", None),
+                          result.checkpoint.path if result.checkpoint is not None else None)
+
+
+def result_metrics(reported: dict[str, Any] | None, returned: Any, checkpoint_path: str | None) -> dict[str, Any]:
+    """The run's final metrics from Ray Train's result: the newest checkpoint's report (``reported``),
+    overlaid by what rank 0 returned where it ended (``returned``, :func:`vigil.runner.final_metrics`: its
+    last step, also for a job that never checkpointed or trained past its newest checkpoint); the
+    checkpoint named by its folder (Ray's checkpoint is a pointer, :mod:`vigil.checkpointing`)."""
+    metrics = dict(reported or {})
+    if isinstance(returned, dict):
+        metrics.update({k: v for k, v in returned.items() if v is not None})
+    metrics["checkpoint"] = metrics.get("checkpoint_path") or checkpoint_path
     return metrics
 
 

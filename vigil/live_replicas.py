@@ -78,7 +78,7 @@ class ReplicaActor:
             self.rank, self.replacement = rank, replacement
 
         from vigil.live import LiveError, LiveReplica
-        from vigil.runner import run_rank
+        from vigil.runner import final_metrics, run_rank
 
         # The training thread's name lets a py-spy dump of a hung rank be read from the right thread.
         threading.current_thread().name = TRAINING_THREAD
@@ -97,11 +97,8 @@ class ReplicaActor:
             # heals from a live peer.
             log.error("rank %d: %s; exiting for a restart", self.rank, e)
             os._exit(EXIT_REJOIN)
-        losses = [v for _, v in sorted(summary.losses.items()) if v is not None]
         return {
-            "rank": self.rank, "step": summary.final_step, "start_step": summary.start_step,
-            "loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-            "val_loss": summary.val_losses[max(summary.val_losses)] if summary.val_losses else None,
+            "rank": self.rank, **final_metrics(summary),
             "checkpoint": None, "heals": live.heals, "reforms": live.comm.reforms, "quorums": live.quorums,
         }
 

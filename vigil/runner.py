@@ -138,7 +138,7 @@ def ray_node_name(node_id: str, nodes: list[dict[str, Any]]) -> str:
     return node_id
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
+def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     """Ray Train entry point of each rank. ``config``: ``{"spec": JobCreate as dict, "job_id": str,
     "run_dir": agent sockets dir or None, "checkpoint_root": str (the job's checkpoint root),
     "report_interval": int (optional)}``."""
@@ -173,8 +173,22 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         return ray.train.get_preemption_info() is not None
 
     with resume.as_directory() if resume is not None else nullcontext(None) as restore_dir:
-        run_rank(config, rank, tctx.get_world_size(), report=report, preemption_pending=preemption_pending,
-                 restore_dir=Path(restore_dir) if restore_dir is not None else None)
+        summary = run_rank(config, rank, tctx.get_world_size(), report=report, preemption_pending=preemption_pending,
+                           restore_dir=Path(restore_dir) if restore_dir is not None else None)
+    # Ray Train v2 hands rank 0's return value to the driver (Result.return_value): where the job ended even
+    # when it never checkpointed (Result.metrics are only the newest checkpoint's report).
+    return final_metrics(summary) if rank == 0 else None
+
+
+def final_metrics(summary: sdk.TrainSummary) -> dict[str, Any]:
+    """Where a rank ended, for the driver's last line: its last step, the mean of its last 10 finite
+    losses and its newest validation loss (None where it has none)."""
+    losses = [v for _, v in sorted(summary.losses.items()) if v is not None]
+    return {
+        "step": summary.final_step, "start_step": summary.start_step,
+        "loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "val_loss": summary.val_losses[max(summary.val_losses)] if summary.val_losses else None,
+    }
 
 
 def job_files_dir(root: Location) -> Location:

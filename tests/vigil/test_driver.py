@@ -18,6 +18,7 @@ from vigil.driver import (
     main,
     parse_config,
     ray_train_env,
+    result_metrics,
     without_idle_datasets_callback,
 )
 
@@ -228,3 +229,27 @@ def test_the_driver_hands_max_restarts_to_ray_train_and_reruns_only_with_restart
         spec = SPEC.model_copy(update={"recovery": SPEC.recovery.model_copy(update={"max_restarts": n})})
         t = build_trainer(DriverConfig(job_id="j", spec=spec, run_dir=None, storage_path=str(tmp_path)))
         assert t.run_config.failure_config.max_failures == n
+
+
+def test_the_final_metrics_are_where_rank_0_ended_not_the_newest_checkpoint() -> None:
+    # Ray Train v2's Result.metrics are the newest checkpoint's report; rank 0's return value says where it
+    # ended (vigil.runner.final_metrics). A job that never checkpointed had step=None in its last line.
+    assert result_metrics({}, {"step": 40, "start_step": 1, "loss": 2.5, "val_loss": None}, None) == {
+        "step": 40, "start_step": 1, "loss": 2.5, "checkpoint": None}
+    reported = {"step": 30, "loss": 3.0, "val_loss": 3.1, "checkpoint_path": "/s/j/step_30"}
+    got = result_metrics(reported, {"step": 35, "start_step": 31, "loss": 2.9, "val_loss": None}, "/ray/ptr")
+    assert (got["step"], got["loss"], got["val_loss"], got["checkpoint"]) == (35, 2.9, 3.1, "/s/j/step_30")
+    # A run whose rank 0 returned nothing (an older job's code path): the checkpoint's report as before.
+    assert result_metrics(reported, None, "/ray/ptr")["step"] == 30
+    assert result_metrics(None, None, "/ray/ptr") == {"checkpoint": "/ray/ptr"}
+
+
+def test_final_metrics_of_a_rank_summary() -> None:
+    from vigil.rank.context import TrainSummary
+    from vigil.runner import final_metrics
+
+    summary = TrainSummary(start_step=3, final_step=14, losses={s: float(s) for s in range(3, 15)} | {9: None},
+                           val_losses={5: 1.5, 10: 1.25})
+    # the last 10 finite losses: steps 4-14 without 9 (not finite), mean 9.0; the newest validation loss
+    assert final_metrics(summary) == {"step": 14, "start_step": 3, "loss": 9.0, "val_loss": 1.25}
+    assert final_metrics(TrainSummary())["loss"] is None

@@ -243,3 +243,15 @@ def test_resubmission_falls_back_past_a_corrupt_newest_checkpoint(first_run: Any
     assert good[-1] == STEPS + 4
     assert checkpoint.verify(checkpoint.step_dir(root, STEPS + 4)).step == STEPS + 4
     print(f"ray integration (corrupt fallback): driver ran {elapsed:.1f}s")
+
+
+def test_a_run_without_checkpoints_says_where_it_ended(first_run: Any, run_driver: Any) -> None:
+    # No checkpoint in this run (interval 0): Ray Train's Result.metrics are the newest checkpoint's report
+    # (none of this run's), so the driver's last line takes the step from rank 0's return value. It resumes
+    # from step 14 (the test above) and must say 16, which the controller reads (supervisor._final_step).
+    spec = SPEC.model_copy(update={"steps": STEPS + 6, "checkpoint": SPEC.checkpoint.model_copy(update={"interval_steps": 0})})
+    proc, received, _ = run_driver(spec)
+    fields = _summary(proc)
+    assert fields["step"] == str(STEPS + 6), proc.stdout[-2000:]
+    assert [s["step"] for s in _step_samples(received, 0)] == [15, 16]
+    assert float(fields["loss"]) < math.log(256) - 0.5
