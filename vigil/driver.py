@@ -274,9 +274,10 @@ def result_metrics(reported: dict[str, Any] | None, returned: Any, checkpoint_pa
     """The run's final metrics from Ray Train's result: the newest checkpoint's report (``reported``),
     overlaid by what rank 0 returned where it ended (``returned``, :func:`vigil.runner.final_metrics`: its
     last step, also for a job that never checkpointed or trained past its newest checkpoint); the
-    checkpoint named by its folder (Ray's checkpoint is a pointer, :mod:`vigil.checkpointing`)."""
+    checkpoint named by its folder (Ray's checkpoint is a pointer, :mod:`vigil.checkpointing`). A rank 0 that
+    ran no step (restored at the last step) returns step 0: the report stands."""
     metrics = dict(reported or {})
-    if isinstance(returned, dict):
+    if isinstance(returned, dict) and returned.get("step"):  # step 0: rank 0 ran no step (restored at the end)
         metrics.update({k: v for k, v in returned.items() if v is not None})
     metrics["checkpoint"] = metrics.get("checkpoint_path") or checkpoint_path
     return metrics

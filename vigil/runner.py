@@ -181,8 +181,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def final_metrics(summary: sdk.TrainSummary) -> dict[str, Any]:
-    """Where a rank ended, for the driver's last line: its last step, the mean of its last 10 finite
-    losses and its newest validation loss (None where it has none)."""
+    """Where a rank ended, for the driver's last line: its last step (0: it ran none), the mean of its last
+    10 finite losses and its newest validation loss (None where it has none)."""
     losses = [v for _, v in sorted(summary.losses.items()) if v is not None]
     return {
         "step": summary.final_step, "start_step": summary.start_step,

@@ -242,6 +242,8 @@ def test_the_final_metrics_are_where_rank_0_ended_not_the_newest_checkpoint() ->
     # A run whose rank 0 returned nothing (an older job's code path): the checkpoint's report as before.
     assert result_metrics(reported, None, "/ray/ptr")["step"] == 30
     assert result_metrics(None, None, "/ray/ptr") == {"checkpoint": "/ray/ptr"}
+    # Rank 0 restored at the last step ran none (step 0): the checkpoint's report stands, not step 0.
+    assert result_metrics(reported, {"step": 0, "start_step": 1, "loss": None, "val_loss": None}, None)["step"] == 30
 
 
 def test_final_metrics_of_a_rank_summary() -> None:
