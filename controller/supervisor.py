@@ -104,6 +104,10 @@ class Supervisor(BackgroundLoop):
         if not found:
             return
         final = int(found[-1])
+        steps = int((job.spec or {}).get("steps") or 0)
+        if final > steps:  # the log is the job's own (its code can print this line): never past its budget
+            log.warning("job %s: its driver log claims step %d of %d; ignored", job.id, final, steps)
+            return
         if job.last_step is None or final > job.last_step:
             record_event(session, "final_step", f"the driver reports step {final}; telemetry had reached "
                          f"{job.last_step if job.last_step is not None else 'none'}", job_id=job.id,

@@ -135,23 +135,26 @@ def test_supervisor_launches_and_follows_status(client: TestClient, launcher: Fa
 
 def test_a_finished_job_ends_at_the_step_its_driver_reports(client: TestClient, launcher: FakeLauncher) -> None:
     """Telemetry that never arrived (an agent killed mid-job) must not make a finished job look short."""
-    short, long_ = (client.post(f"{API}/jobs", json=_job()).json()["id"] for _ in range(2))
+    short, long_, liar = (client.post(f"{API}/jobs", json=_job(steps=600)).json()["id"] for _ in range(3))
     sup = client.app.state.supervisor
     sup.step()
-    for job_id, said in ((short, 600), (long_, 3)):
+    # The driver log is the job's own: a line claiming more steps than the job has (or more than the
+    # database's integer holds) is ignored, never stored.
+    for job_id, said in ((short, 600), (long_, 3), (liar, 10**12)):
         launch_id = client.get(f"{API}/jobs/{job_id}").json()["ray_job_id"]
         launcher.log_text[launch_id] = (f"vigil trainer: job other SUCCEEDED step=900 loss=None\n"  # not this job
                                         f"vigil trainer: job {job_id} SUCCEEDED step={said} loss=0.1 val_loss=None\n")
         launcher.statuses[launch_id] = LaunchStatus(JobStatus.RUNNING)
     sup.step()
     with session_scope(client.app.state.sessions) as s:
-        for job_id in (short, long_):
+        for job_id in (short, long_, liar):
             s.get(Job, job_id).last_step = 410
-    for job_id in (short, long_):
+    for job_id in (short, long_, liar):
         launcher.statuses[client.get(f"{API}/jobs/{job_id}").json()["ray_job_id"]] = LaunchStatus(JobStatus.SUCCEEDED)
     sup.step()
     assert client.get(f"{API}/jobs/{short}").json()["last_step"] == 600
     assert client.get(f"{API}/jobs/{long_}").json()["last_step"] == 410  # never lowered
+    assert client.get(f"{API}/jobs/{liar}").json()["last_step"] == 410  # never past the job's steps
     events = client.get(f"{API}/events", params={"job_id": short}).json()["data"]
     assert any(e["kind"] == "final_step" and "410" in e["message"] for e in events)
 
