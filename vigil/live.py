@@ -259,13 +259,15 @@ class LiveReplica:
     """
 
     def __init__(self, *, rank: int, world_size: int, min_replicas: int, lighthouse: str, host: str,
-                 attempt: int = 1, checkpoint_root: Path | str | None = None, replica_id: str | None = None,
+                 attempt: int = 1, checkpoint_root: Path | str | None = None, replica_prefix: str = "rank_",
                  replacement: bool = False, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
-                 quorum_every: int = 1, spare: bool = False) -> None:
+                 quorum_every: int = 1, spare: bool = False, heal_key: str) -> None:
         quiet_torchft_logs()
         from torch.distributed import TCPStore
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
+
+        from vigil.live_trust import QuorumGuard, SignedHTTPTransport
 
         self.rank = rank
         self.world_size = world_size
@@ -296,8 +298,12 @@ class LiveReplica:
             use_async_quorum=False, timeout=timedelta(seconds=collective_timeout_s),
             quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
             rank=0, world_size=1, store_addr=host, store_port=self._store.port, lighthouse_addr=lighthouse,
-            replica_id=replica_id or f"rank_{rank}", hostname=host, init_sync=True,
+            replica_id=f"{replica_prefix}{rank}", hostname=host, init_sync=True,
+            # Heals signed with the run's key; quorums checked against the job's ranks (vigil.live_trust).
+            checkpoint_transport=SignedHTTPTransport(heal_key, host, timedelta(seconds=collective_timeout_s)),
         )
+        self.guard = QuorumGuard(self.manager._client, world_size, replica_prefix)
+        self.manager._client = self.guard
         self.comm = LiveComm(self.manager, rank, world_size)
         self._healed: float | None = None
         self._quorum_ready = False  # restore's quorum is the first step's (peers are in that step already)

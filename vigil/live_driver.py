@@ -44,11 +44,13 @@ def run_live(config: dict[str, Any], *, replicas: int, min_replicas: int, cpus_p
     from vigil.checkpointing import Checkpointer
     from vigil.live import start_lighthouse
     from vigil.live_replicas import Replicas
+    from vigil.live_trust import new_key
 
     # One run attempt for every replica (telemetry's exactly-once key): replacements run new steps only.
     claimer = Checkpointer(as_location(config["checkpoint_root"]), rank=0, world_size=1, job_id=config["job_id"],
                            async_save=False)
-    config = {**config, "attempt": claimer.claim_attempt()}
+    # The run's heal key (vigil.live_trust): only its replicas hold it, so only they can heal each other.
+    config = {**config, "attempt": claimer.claim_attempt(), "heal_key": new_key()}
     claimer.close()
     server = start_lighthouse(min_replicas)
     address = lighthouse_address(server.address(), ray.util.get_node_ip_address())

@@ -78,6 +78,7 @@ class ReplicaActor:
             self.rank, self.replacement = rank, replacement
 
         from vigil.live import LiveError, LiveReplica
+        from vigil.live_trust import ForeignQuorum
         from vigil.runner import final_metrics, run_rank
 
         # The training thread's name lets a py-spy dump of a hung rank be read from the right thread.
@@ -88,10 +89,10 @@ class ReplicaActor:
                            checkpoint_root=as_location(self.config["checkpoint_root"]),
                            replacement=self.replacement or ray.get_runtime_context().was_current_actor_reconstructed,
                            quorum_every=int(self.config["spec"].get("recovery", {}).get("quorum_every_steps", 1)),
-                           spare=spare)
+                           spare=spare, heal_key=self.config["heal_key"])
         try:
             summary = run_rank(self.config, self.rank, self.world_size, live=live)
-        except LiveError as e:
+        except (LiveError, ForeignQuorum) as e:
             # Not the user's error: this replica lost its place (a step it could not commit, a quorum it
             # missed). Its process ends so that Ray (or, with spares, the driver) starts it again, and it
             # heals from a live peer.

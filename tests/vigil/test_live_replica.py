@@ -15,8 +15,11 @@ from typing import Any
 import torch
 
 from vigil.live import LiveReplica, start_lighthouse
+from vigil.live_trust import new_key
 
 JOIN_TIMEOUT_MS = 300
+KEY = new_key()
+"""The run's heal key, which both replicas of a test hold (the driver draws one per run)."""
 COLLECTIVE_TIMEOUT_S = 2.0
 """The survivor's all-reduce in the quorum whose heal failed waits this long for the replacement (which
 asks for a new quorum instead); the next quorum must rebuild the process group that timed out."""
@@ -29,7 +32,7 @@ def _replica(rank: int, lighthouse: str, *, replacement: bool, value: float,
         for p in model.parameters():
             p.fill_(value)
     live = LiveReplica(rank=rank, world_size=2, min_replicas=1, lighthouse=lighthouse, host="127.0.0.1",
-                       replica_id=f"test_{rank}", replacement=replacement, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+                       replica_prefix="test_", heal_key=KEY, replacement=replacement, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                        quorum_every=quorum_every)
     live.register({"model": model})
     return live, model

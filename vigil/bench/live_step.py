@@ -23,6 +23,7 @@ figure (steps with compute, checkpoints, Ray) is ``steady_step_ratio`` of ``vigi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -68,8 +69,9 @@ def _live(rank: int, lighthouse: str, steps: int, elements: int, variant: str) -
     from vigil.live import LiveReplica
 
     every = 1 if variant == "live_every_step" else 10
+    key = hashlib.sha256(lighthouse.encode()).hexdigest()  # the same in both processes (a bench: no secret needed)
     r = LiveReplica(rank=rank, world_size=2, min_replicas=2, lighthouse=lighthouse, host="127.0.0.1",
-                    quorum_every=every, replica_id=f"bench_{rank}")
+                    quorum_every=every, replica_prefix="bench_", heal_key=key)
     try:
         t = torch.zeros(elements)
         r.restore(lambda: 0)
