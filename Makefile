@@ -16,28 +16,15 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/vigil up
 
-## make test: the whole suite (unit, integration with real Ray / PostgreSQL / Chromium, end-to-end), in three parts.
-## 1. Most tests on two pytest-xdist workers (slow tests marked beside, which judge no timing and mostly wait,
-##    start first among them).
-## 2. The end-to-end tests (marked slow: real Ray clusters, real faults) in two streams at once, each one test at
-##    a time on a cluster of its own: $(STREAM_A) in one (its report is printed after the other's), every
-##    other slow module in the other. One end-to-end stream keeps about 60% of this machine's two cores busy
-##    (torch and Ray start-ups, waits for detectors); two fill them.
-## 3. Alone: the tests marked timing (they compare measured durations) and links (they change the host's network
-##    links, which makes the browser tests' Chromium abort its requests), so no other test's load skews them.
-PYTEST   := $(VENV)/bin/pytest -q -p no:cacheprovider
-PAIRED   := slow and not timing and not links and not beside
-STREAM_A := tests/e2e/test_faults.py tests/e2e/test_user_code.py
-
+## make test: the whole suite (unit, integration with real Ray / PostgreSQL / Chromium, end-to-end).
+## Most tests run on two pytest-xdist workers; those marked slow (real Ray clusters whose detectors judge
+## timings) or timing (durations compared) run one at a time after them, so no other test's load skews them,
+## and so do those marked links (they change the host's network links, which makes the browser tests'
+## Chromium abort its requests). Slow tests marked beside (no timing judged, mostly waiting) run first among
+## the parallel ones instead.
 test: $(STAMP) browser lint
-	$(PYTEST) -m "((not slow and not timing) or beside) and not links" -n 2 --durations=15
-	@mkdir -p .vigil
-	@echo "end-to-end tests in two streams: [$(STREAM_A)] and [every other slow module]"
-	@$(PYTEST) -m "$(PAIRED)" $(STREAM_A) --durations=30 > .vigil/stream-a.log 2>&1 & a=$$!; \
-	  $(PYTEST) -m "$(PAIRED)" $(foreach f,$(STREAM_A),--ignore=$(f)) tests --durations=30; b=$$?; \
-	  wait $$a; a=$$?; echo "---- stream [$(STREAM_A)] ----"; cat .vigil/stream-a.log; \
-	  echo "streams: [$(STREAM_A)] exit $$a, the other exit $$b"; test $$a -eq 0 && test $$b -eq 0
-	$(PYTEST) -m "timing or links" --durations=20
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((not slow and not timing) or beside) and not links" -n 2 --durations=15
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "((slow or timing) and not beside) or links" --durations=60
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
