@@ -14,6 +14,7 @@ BENCHMARKS = {
     "overhead": "vigil.bench.overhead",
     "speedup": "vigil.bench.speedup",
     "live-step": "vigil.bench.live_step",
+    "heal": "vigil.bench.heal",
     "ingest": "ops.bench.ingest",
     "recovery": "ops.bench.recovery",
     "stragglers": "ops.bench.stragglers",
@@ -38,6 +39,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``bench`` on ``sub``; its own flags pass through to the benchmark."""
-    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, live-step, ingest, recovery, stragglers, adapt, chaos, speedup, dashboard, security, footprint, http).",
+    b = sub.add_parser("bench", help="Benchmarks (comm, kernels, convergence, overhead, live-step, heal, ingest, recovery, stragglers, adapt, chaos, speedup, dashboard, security, footprint, http).",
                        add_help=False)
     b.add_argument("what")
